@@ -1,0 +1,320 @@
+"""The HTTP API (django-ninja; OpenAPI at /api/openapi.json). Thin: it parses input,
+checks the role and calls the engine's services; JSON in and out."""
+from datetime import datetime
+from typing import Any
+
+from django.http import HttpRequest
+from ninja import NinjaAPI, Schema, Status
+from ninja.errors import ValidationError as NinjaValidationError
+from ninja.security import HttpBearer, SessionAuth
+
+from . import roles, selectors
+from .auth import token_user
+from .engine import services
+from .engine.states import InvalidTransition
+from .models import AuditEntry, Snapshot, Task, TaskEvent, WalEntry
+from .tasktypes import all_types
+
+
+class BearerAuth(HttpBearer):
+    def authenticate(self, request, token):
+        user = token_user(token)
+        if user is not None:
+            request.user = user
+        return user
+
+
+api = NinjaAPI(title="Orchestrator API", version="1", auth=[BearerAuth(), SessionAuth()],
+               urls_namespace="api")
+
+
+# --- errors --------------------------------------------------------------------------------
+
+class FieldErrorOut(Schema):
+    field: str
+    message: str
+
+
+class ErrorOut(Schema):
+    detail: str
+    errors: list[FieldErrorOut] = []
+
+
+class Forbidden(Exception):
+    pass
+
+
+class NotFound(Exception):
+    pass
+
+
+@api.exception_handler(services.InvalidInput)
+def on_invalid_input(request, exc: services.InvalidInput):
+    return api.create_response(request, {"detail": "Invalid input: " + str(exc),
+                                         "errors": [e.__dict__ for e in exc.errors]}, status=422)
+
+
+@api.exception_handler(NinjaValidationError)
+def on_schema_error(request, exc: NinjaValidationError):
+    errors = [{"field": ".".join(str(p) for p in err.get("loc", ())[1:] or err.get("loc", ())),
+               "message": err.get("msg", "invalid")} for err in exc.errors]
+    return api.create_response(request, {"detail": "Invalid input: " + "; ".join(
+        f"{e['field']}: {e['message']}" for e in errors), "errors": errors}, status=422)
+
+
+@api.exception_handler(InvalidTransition)
+def on_invalid_transition(request, exc: InvalidTransition):
+    return api.create_response(request, {"detail": str(exc), "errors": []}, status=409)
+
+
+@api.exception_handler(Forbidden)
+def on_forbidden(request, exc: Forbidden):
+    return api.create_response(request, {"detail": str(exc), "errors": []}, status=403)
+
+
+@api.exception_handler(NotFound)
+def on_not_found(request, exc: NotFound):
+    return api.create_response(request, {"detail": str(exc), "errors": []}, status=404)
+
+
+def require(request: HttpRequest, role: str) -> None:
+    if not roles.has_role(request.auth, role):
+        raise Forbidden(f"This needs the {role} role; ask an administrator to add you to the '{role}' group.")
+
+
+def get_task(task_id: int) -> Task:
+    try:
+        return selectors.task_detail(task_id)
+    except Task.DoesNotExist:
+        raise NotFound(f"There is no task #{task_id}.") from None
+
+
+def client_ip(request) -> str | None:
+    return request.META.get("REMOTE_ADDR")
+
+
+# --- schemas -------------------------------------------------------------------------------
+
+class TaskTypeOut(Schema):
+    name: str
+    title: str
+    description: str
+    params_schema: dict
+
+
+class TaskCreateIn(Schema):
+    type: str
+    params: dict[str, Any] = {}
+    limits: dict[str, Any] | None = None
+    title: str = ""
+
+
+class WorkerOut(Schema):
+    host: str
+    pid: int | None
+
+
+class StepOut(Schema):
+    id: str
+    title: str
+    status: str
+    depends_on: list[str]
+    reads: list[str]
+    attempts: int
+    started_at: datetime | None
+    finished_at: datetime | None
+    duration_seconds: float | None
+    error: str
+    result: Any = None
+
+
+class TaskSummaryOut(Schema):
+    id: int
+    type: str
+    title: str
+    status: str
+    status_reason: str
+    steps_done: int
+    steps_total: int
+    progress_percent: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class TaskOut(TaskSummaryOut):
+    params: dict
+    limits: dict
+    counters: dict
+    checkpoint_version: int
+    event_seq: int
+    heartbeat_at: datetime | None
+    worker: WorkerOut | None
+    error: str
+    started_at: datetime | None
+    finished_at: datetime | None
+    steps: list[StepOut]
+
+
+class TaskPageOut(Schema):
+    items: list[TaskSummaryOut]
+    next_before: int | None
+
+
+class WalOut(Schema):
+    id: int
+    step_id: str
+    call_index: int
+    tool: str
+    args: Any
+    idempotency_key: str
+    idempotent: bool
+    status: str
+    result: Any
+    error: str
+    lease_epoch: int
+    worker: str
+    created_at: datetime
+    completed_at: datetime | None
+
+
+class SnapshotOut(Schema):
+    version: int
+    step_id: str
+    state: dict
+    created_at: datetime
+
+
+class EventOut(Schema):
+    seq: int
+    kind: str
+    payload: dict
+    created_at: datetime
+
+
+class AuditOut(Schema):
+    id: int
+    at: datetime
+    actor: str
+    ip: str | None
+    action: str
+    before: Any
+    after: Any
+    reason: str
+
+
+class ControlIn(Schema):
+    reason: str = ""
+
+
+def task_out(task: Task) -> dict:
+    steps = [StepOut(id=s.step_id, title=s.title, status=s.status, depends_on=s.depends_on, reads=s.reads,
+                     attempts=s.attempts, started_at=s.started_at, finished_at=s.finished_at,
+                     duration_seconds=s.duration_seconds, error=s.error, result=s.result)
+             for s in task.steps.all()]
+    running = task.status in ("running", "pausing", "stopping") and task.lease_owner
+    return TaskOut(
+        id=task.pk, type=task.type, title=task.title, status=task.status, status_reason=task.status_reason,
+        steps_done=task.steps_done, steps_total=task.steps_total, progress_percent=task.progress_percent,
+        created_at=task.created_at, updated_at=task.updated_at, params=task.params, limits=task.limits,
+        counters={"steps_done": task.steps_done, "steps_total": task.steps_total, "tokens_used": task.tokens_used,
+                  "active_seconds": round(task.active_seconds, 3), "recovery_attempts": task.recovery_attempts},
+        checkpoint_version=task.checkpoint_version, event_seq=task.event_seq, heartbeat_at=task.heartbeat_at,
+        worker=WorkerOut(host=task.worker_host, pid=task.worker_pid) if running else None, error=task.error,
+        started_at=task.started_at, finished_at=task.finished_at, steps=steps)
+
+
+ERRORS = {401: ErrorOut, 403: ErrorOut, 404: ErrorOut}
+
+
+# --- endpoints -----------------------------------------------------------------------------
+
+@api.get("/task-types", response={200: list[TaskTypeOut], **ERRORS}, tags=["tasks"])
+def list_task_types(request):
+    require(request, roles.VIEWER)
+    return [TaskTypeOut(name=t.name, title=t.title, description=t.description, params_schema=t.params_schema())
+            for t in all_types().values()]
+
+
+@api.post("/tasks", response={201: TaskOut, 422: ErrorOut, **ERRORS}, tags=["tasks"])
+def create_task(request, body: TaskCreateIn):
+    require(request, roles.OPERATOR)
+    task = services.task_create(type=body.type, params=body.params, limits=body.limits, title=body.title,
+                                actor=request.auth, ip=client_ip(request))
+    return Status(201, task_out(task))
+
+
+@api.get("/tasks", response={200: TaskPageOut, **ERRORS}, tags=["tasks"])
+def list_tasks(request, status: str = "", type: str = "", q: str = "", before: int | None = None, limit: int = 50):
+    require(request, roles.VIEWER)
+    rows, next_before = selectors.task_page(selectors.task_list(status=status, type=type, text=q), before=before,
+                                            limit=max(1, min(limit, 500)))
+    return TaskPageOut(items=[TaskSummaryOut(
+        id=t.pk, type=t.type, title=t.title, status=t.status, status_reason=t.status_reason,
+        steps_done=t.steps_done, steps_total=t.steps_total, progress_percent=t.progress_percent,
+        created_at=t.created_at, updated_at=t.updated_at) for t in rows], next_before=next_before)
+
+
+@api.get("/tasks/{task_id}", response={200: TaskOut, **ERRORS}, tags=["tasks"])
+def task_detail(request, task_id: int):
+    require(request, roles.VIEWER)
+    return task_out(get_task(task_id))
+
+
+def _control(request, task_id: int, action, body: ControlIn | None):
+    require(request, roles.OPERATOR)
+    get_task(task_id)
+    action(task_id=task_id, actor=request.auth, ip=client_ip(request), reason=body.reason if body else "")
+    return task_out(get_task(task_id))
+
+
+CONTROL_RESPONSES = {200: TaskOut, 409: ErrorOut, 422: ErrorOut, **ERRORS}
+
+
+@api.post("/tasks/{task_id}/pause", response=CONTROL_RESPONSES, tags=["control"])
+def pause_task(request, task_id: int, body: ControlIn | None = None):
+    return _control(request, task_id, services.task_pause, body)
+
+
+@api.post("/tasks/{task_id}/stop", response=CONTROL_RESPONSES, tags=["control"])
+def stop_task(request, task_id: int, body: ControlIn | None = None):
+    return _control(request, task_id, services.task_stop, body)
+
+
+@api.post("/tasks/{task_id}/terminate", response=CONTROL_RESPONSES, tags=["control"])
+def terminate_task(request, task_id: int, body: ControlIn | None = None):
+    return _control(request, task_id, services.task_terminate, body)
+
+
+@api.post("/tasks/{task_id}/resume", response=CONTROL_RESPONSES, tags=["control"])
+def resume_task(request, task_id: int, body: ControlIn | None = None):
+    return _control(request, task_id, services.task_resume, body)
+
+
+@api.get("/tasks/{task_id}/wal", response={200: list[WalOut], **ERRORS}, tags=["history"])
+def task_wal(request, task_id: int):
+    require(request, roles.VIEWER)
+    task = get_task(task_id)
+    return list(WalEntry.objects.filter(task=task).order_by("id"))
+
+
+@api.get("/tasks/{task_id}/snapshots", response={200: list[SnapshotOut], **ERRORS}, tags=["history"])
+def task_snapshots(request, task_id: int):
+    require(request, roles.VIEWER)
+    task = get_task(task_id)
+    return list(Snapshot.objects.filter(task=task).order_by("-version"))
+
+
+@api.get("/tasks/{task_id}/events", response={200: list[EventOut], **ERRORS}, tags=["history"])
+def task_events(request, task_id: int, after: int = 0, limit: int = 500):
+    """Events with seq > `after`, oldest first (resume from the last seq you saw)."""
+    require(request, roles.VIEWER)
+    task = get_task(task_id)
+    return list(TaskEvent.objects.filter(task=task, seq__gt=after).order_by("seq")[:max(1, min(limit, 5000))])
+
+
+@api.get("/tasks/{task_id}/audit", response={200: list[AuditOut], **ERRORS}, tags=["history"])
+def task_audit(request, task_id: int):
+    require(request, roles.VIEWER)
+    task = get_task(task_id)
+    return [AuditOut(id=a.pk, at=a.at, actor=a.actor_name, ip=a.ip, action=a.action, before=a.before,
+                     after=a.after, reason=a.reason) for a in AuditEntry.objects.filter(task=task).order_by("at", "id")]

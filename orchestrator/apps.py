@@ -1,0 +1,9 @@
+from django.apps import AppConfig
+
+
+class OrchestratorConfig(AppConfig):
+    name = "orchestrator"
+    verbose_name = "Orchestrator"
+
+    def ready(self):
+        from . import checks  # noqa: F401  (registers the system checks)

@@ -1,0 +1,55 @@
+"""The harness's settings in one place (the ORCH_* environment variables), with defaults."""
+from dataclasses import dataclass
+
+from django.conf import settings
+
+
+@dataclass(frozen=True)
+class HarnessSettings:
+    @property
+    def heartbeat_seconds(self) -> float:
+        return settings.ORCH_HEARTBEAT_SECONDS
+
+    @property
+    def stale_after_seconds(self) -> float:
+        return settings.ORCH_STALE_AFTER_SECONDS
+
+    @property
+    def grace_seconds(self) -> float:
+        return settings.ORCH_GRACE_SECONDS
+
+    @property
+    def snapshot_keep(self) -> int:
+        return settings.ORCH_SNAPSHOT_KEEP
+
+    @property
+    def max_recovery_attempts(self) -> int:
+        return settings.ORCH_MAX_RECOVERY_ATTEMPTS
+
+    @property
+    def slice_seconds(self) -> float:
+        return settings.ORCH_SLICE_SECONDS
+
+    @property
+    def control_poll_seconds(self) -> float:
+        return getattr(settings, "ORCH_CONTROL_POLL_SECONDS", 0.1)
+
+    @property
+    def default_limits(self) -> dict:
+        return {
+            "max_steps": getattr(settings, "ORCH_DEFAULT_MAX_STEPS", 10_000),
+            "max_tokens": getattr(settings, "ORCH_DEFAULT_MAX_TOKENS", 1_000_000),
+            "max_seconds": getattr(settings, "ORCH_DEFAULT_MAX_SECONDS", 24 * 3600),
+            "max_subtasks": getattr(settings, "ORCH_DEFAULT_MAX_SUBTASKS", 4),
+        }
+
+    @property
+    def step_max_attempts(self) -> int:
+        return getattr(settings, "ORCH_STEP_MAX_ATTEMPTS", 3)
+
+    @property
+    def extra_task_type_modules(self) -> list[str]:
+        return list(getattr(settings, "ORCH_EXTRA_TASK_TYPES", []))
+
+
+harness = HarnessSettings()

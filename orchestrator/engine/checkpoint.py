@@ -1,0 +1,155 @@
+"""Checkpoints: each finished step commits its result, its state, a new snapshot version
+and a progress event in one transaction, fenced on the lease. Nothing half-commits.
+
+The snapshot holds the plan with step states, params and counters; step results stay in
+their Step rows (referenced by id) so a snapshot row stays small.
+"""
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from ..conf import harness
+from ..models import Snapshot, Step, StepStatus, Task
+from . import wal
+from .events import create_event
+from .faults import fault_point
+from .lease import Lease, lock_fenced
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PlanState:
+    """The runner's view of the plan; only the lease holder changes step states."""
+
+    order: list[str]
+    depends_on: dict[str, tuple[str, ...]]
+    status: dict[str, str]
+    attempts: dict[str, int] = field(default_factory=dict)
+
+    def done_count(self) -> int:
+        return sum(1 for s in self.status.values() if s == StepStatus.DONE)
+
+    def snapshot_state(self, task: Task) -> dict:
+        return {"params": task.params, "limits": task.limits, "status": task.status,
+                "steps": {sid: self.status[sid] for sid in self.order},
+                "counters": {"steps_done": self.done_count(), "tokens_used": task.tokens_used,
+                             "active_seconds": round(task.active_seconds, 3)}}
+
+
+def save_snapshot(task: Task, state: dict, step_id: str = "") -> Snapshot:
+    snapshot = Snapshot.objects.create(task=task, version=task.checkpoint_version, step_id=step_id, state=state)
+    keep = harness.snapshot_keep
+    if keep and task.checkpoint_version > keep:
+        # Bounded storage: one indexed DELETE per commit keeps the last `keep` versions.
+        Snapshot.objects.filter(task=task, version__lte=task.checkpoint_version - keep).delete()
+    return snapshot
+
+
+def commit_step(*, lease: Lease, plan: PlanState, step_id: str, result: Any, reads: list[str],
+                effects: list[wal.CompletedEffect], started_at: datetime, tokens_used: int = 0,
+                active_seconds: float = 0.0) -> int:
+    """Commit a finished step; returns the new checkpoint version. Raises LeaseLost."""
+    fault_point("before_checkpoint", step_id)
+    now = timezone.now()
+    previous_status = plan.status[step_id]
+    try:
+        return _commit_step(lease=lease, plan=plan, step_id=step_id, result=result, reads=reads, effects=effects,
+                            started_at=started_at, tokens_used=tokens_used, active_seconds=active_seconds, now=now)
+    except BaseException:
+        plan.status[step_id] = previous_status  # the transaction rolled back: so does the plan
+        raise
+
+
+def _commit_step(*, lease, plan, step_id, result, reads, effects, started_at, tokens_used, active_seconds, now) -> int:
+    with transaction.atomic():
+        task = lock_fenced(lease)
+        plan.status[step_id] = StepStatus.DONE
+        attempts = plan.attempts.get(step_id, 0) + 1
+        task.checkpoint_version += 1
+        task.event_seq += 1
+        task.steps_done = plan.done_count()
+        task.tokens_used += tokens_used
+        task.active_seconds += active_seconds
+        task.heartbeat_at = now
+        task.save(update_fields=["checkpoint_version", "event_seq", "steps_done", "tokens_used",
+                                 "active_seconds", "heartbeat_at", "updated_at"])
+        wal.mark_done(effects)
+        Step.objects.filter(task=task, step_id=step_id).update(
+            status=StepStatus.DONE, result=result, reads=reads, attempts=attempts, error="",
+            started_at=started_at, finished_at=now)
+        save_snapshot(task, plan.snapshot_state(task), step_id)
+        fault_point("mid_checkpoint", step_id)  # crash tests: the whole checkpoint must vanish
+        create_event(task, task.event_seq, "step_done", {
+            "step": step_id, "version": task.checkpoint_version, "steps_done": task.steps_done,
+            "steps_total": task.steps_total, "seconds": round((now - started_at).total_seconds(), 3)})
+    plan.attempts[step_id] = attempts
+    fault_point("after_checkpoint", step_id)
+    return task.checkpoint_version
+
+
+def commit_step_failure(*, lease: Lease, plan: PlanState, step_id: str, error: str, retrying: bool,
+                        effects: list[wal.CompletedEffect], started_at: datetime, reads: list[str]) -> None:
+    """Record a failed attempt (and the effects that did happen before the failure)."""
+    now = timezone.now()
+    attempts = plan.attempts.get(step_id, 0) + 1
+    with transaction.atomic():
+        task = lock_fenced(lease)
+        task.event_seq += 1
+        task.heartbeat_at = now
+        task.save(update_fields=["event_seq", "heartbeat_at", "updated_at"])
+        wal.mark_done(effects)
+        status = StepStatus.PENDING if retrying else StepStatus.FAILED
+        Step.objects.filter(task=task, step_id=step_id).update(
+            status=status, error=error[:10_000], attempts=attempts, reads=reads, started_at=started_at,
+            finished_at=now)
+        create_event(task, task.event_seq, "step_failed", {
+            "step": step_id, "attempt": attempts, "error": error[:500], "retrying": retrying})
+    plan.attempts[step_id] = attempts
+    plan.status[step_id] = status
+
+
+def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
+    """Create the task's Step rows on its first run; afterwards load them (the plan is
+    part of the durable state, so a recovered task continues the same plan)."""
+    with transaction.atomic():
+        task = lock_fenced(lease)
+        steps = list(Step.objects.filter(task=task).order_by("position")
+                     .values_list("step_id", "depends_on", "status", "attempts"))
+        if not steps:
+            specs = task_type.plan(params)
+            known = set()
+            for spec in specs:
+                missing = [d for d in spec.depends_on if d not in known]
+                if missing:
+                    raise ValueError(f"step {spec.id!r} depends on {missing}, which come later or do not exist")
+                known.add(spec.id)
+            Step.objects.bulk_create([
+                Step(task=task, step_id=s.id, position=i, title=s.title or s.id, depends_on=list(s.depends_on),
+                     declared_reads=list(s.reads)) for i, s in enumerate(specs)])
+            task.steps_total = len(specs)
+            task.checkpoint_version += 1
+            task.event_seq += 1
+            task.save(update_fields=["steps_total", "checkpoint_version", "event_seq", "updated_at"])
+            steps = [(s.id, list(s.depends_on), StepStatus.PENDING, 0) for s in specs]
+            plan = _plan_from(steps)
+            save_snapshot(task, plan.snapshot_state(task), "")
+            create_event(task, task.event_seq, "planned", {"steps": [s.id for s in specs][:200],
+                                                           "steps_total": len(specs)})
+            return plan
+    return _plan_from(steps)
+
+
+def _plan_from(rows) -> PlanState:
+    plan = PlanState(order=[], depends_on={}, status={}, attempts={})
+    for step_id, depends_on, status, attempts in rows:
+        plan.order.append(step_id)
+        plan.depends_on[step_id] = tuple(depends_on)
+        # A step that was running when its worker died starts again.
+        plan.status[step_id] = StepStatus.PENDING if status == StepStatus.RUNNING else status
+        plan.attempts[step_id] = attempts
+    return plan

@@ -1,0 +1,52 @@
+"""The durable progress log: append inside a transaction, publish only after commit.
+
+`seq` rises by one per task with no gaps: it is taken from Task.event_seq while the task
+row is locked by the writing transaction. Channel messages are only hints to wake
+listeners; readers fetch events from the database by seq.
+"""
+import logging
+
+from django.db import transaction
+from django.db.models import F
+
+from ..models import Task, TaskEvent
+
+log = logging.getLogger(__name__)
+
+
+def task_group(task_id: int) -> str:
+    return f"task-{task_id}"
+
+
+TASK_LIST_GROUP = "tasks"
+
+
+def append_event(task: Task, kind: str, payload: dict) -> TaskEvent:
+    """Append one event to `task`'s log in the current transaction."""
+    Task.objects.filter(pk=task.pk).update(event_seq=F("event_seq") + 1)
+    task.event_seq = Task.objects.values_list("event_seq", flat=True).get(pk=task.pk)
+    return create_event(task, task.event_seq, kind, payload)
+
+
+def create_event(task: Task, seq: int, kind: str, payload: dict) -> TaskEvent:
+    """Insert an event whose seq the caller already reserved on the locked task row."""
+    event = TaskEvent.objects.create(task=task, seq=seq, kind=kind, payload=payload)
+    transaction.on_commit(lambda: publish_hint(task.pk, seq, task.status, task.steps_done, task.steps_total))
+    return event
+
+
+def publish_hint(task_id: int, seq: int, status: str, steps_done: int, steps_total: int) -> None:
+    """Tell listeners that task `task_id` has events up to `seq`. Best effort."""
+    try:
+        from asgiref.sync import async_to_sync
+        from channels.layers import get_channel_layer
+
+        layer = get_channel_layer()
+        if layer is None:
+            return
+        message = {"type": "task.changed", "task_id": task_id, "seq": seq, "status": status,
+                   "steps_done": steps_done, "steps_total": steps_total}
+        async_to_sync(layer.group_send)(task_group(task_id), message)
+        async_to_sync(layer.group_send)(TASK_LIST_GROUP, message)
+    except Exception:  # a lost hint is harmless: the database is the truth
+        log.debug("could not publish hint", exc_info=True, extra={"task_id": task_id, "event_id": seq})

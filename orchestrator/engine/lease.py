@@ -1,0 +1,109 @@
+"""Leases: which worker runs a task, fenced by a rising epoch.
+
+Claiming bumps `lease_epoch`; every later write by the holder (WAL intents, step
+checkpoints, heartbeats) is an UPDATE ... WHERE lease_epoch = <mine>. A worker that lost
+its lease (it was presumed dead and the task was claimed again) matches zero rows and
+stops: it can never commit a step over the new holder's work.
+"""
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from ..conf import harness
+from ..models import Task, TaskStatus as S
+from . import states
+
+log = logging.getLogger(__name__)
+
+
+class LeaseLost(Exception):
+    """This worker's lease epoch is stale: another worker owns the task now."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    task_id: int
+    epoch: int
+    owner: str
+    host: str
+    pid: int
+
+    def fenced(self):
+        """Rows of this task that are still ours."""
+        return Task.objects.filter(pk=self.task_id, lease_epoch=self.epoch, lease_owner=self.owner)
+
+
+def worker_identity() -> tuple[str, int, str]:
+    host, pid = socket.gethostname(), os.getpid()
+    return host, pid, f"{host}:{pid}:{uuid.uuid4().hex[:8]}"
+
+
+CLAIMABLE = (S.QUEUED, S.RUNNING)
+
+
+def claim(task_id: int) -> Lease | None:
+    """Take the lease on a queued task, or on a running one whose holder went quiet.
+
+    Returns None when someone else holds a live lease, another claimer has the row locked
+    (SKIP LOCKED on PostgreSQL), or the task is not runnable.
+    """
+    host, pid, owner = worker_identity()
+    stale_before = timezone.now() - timedelta(seconds=harness.stale_after_seconds)
+    with transaction.atomic():
+        task = (Task.objects.select_for_update(skip_locked=True)
+                .filter(pk=task_id, status__in=CLAIMABLE)
+                .filter(Q(lease_owner="") | Q(heartbeat_at__lt=stale_before) | Q(heartbeat_at__isnull=True))
+                .first())
+        if task is None:
+            return None
+        previous = task.lease_owner
+        task.lease_epoch += 1
+        task.lease_owner, task.worker_host, task.worker_pid = owner, host, pid
+        task.heartbeat_at = timezone.now()
+        if task.status == S.QUEUED:
+            states.transition(task, S.RUNNING, reason="claimed by a worker", extra={"worker": owner})
+        else:
+            task.save(update_fields=["lease_epoch", "lease_owner", "worker_host", "worker_pid", "heartbeat_at"])
+    log.info("claimed task", extra={"task_id": task_id, "lease_epoch": task.lease_epoch, "worker": owner,
+                                    "checkpoint_version": task.checkpoint_version,
+                                    "resume_strategy": "takeover" if previous else "fresh"})
+    return Lease(task_id=task_id, epoch=task.lease_epoch, owner=owner, host=host, pid=pid)
+
+
+def heartbeat(lease: Lease) -> bool:
+    """Refresh the heartbeat; False when the lease is no longer ours."""
+    return lease.fenced().update(heartbeat_at=timezone.now()) == 1
+
+
+def release(lease: Lease) -> bool:
+    """Give the lease up without changing the status (the next slice claims it again)."""
+    return lease.fenced().update(lease_owner="", heartbeat_at=timezone.now()) == 1
+
+
+def lock_fenced(lease: Lease) -> Task:
+    """Lock the task row and check the lease inside the current transaction."""
+    task = states.lock_task(lease.task_id)
+    if task.lease_epoch != lease.epoch or task.lease_owner != lease.owner:
+        raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale (now {task.lease_epoch})")
+    return task
+
+
+def bump_fenced(lease: Lease, **updates) -> None:
+    """A fenced UPDATE in the current transaction; raises LeaseLost when the epoch is stale.
+
+    On PostgreSQL the UPDATE also takes the row lock, so what the transaction does next
+    is serialised with the sweeper and other claimers.
+    """
+    # With nothing else to write, refreshing the heartbeat is the fenced write.
+    if lease.fenced().update(**(updates or {"heartbeat_at": timezone.now()})) != 1:
+        raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale")
+
+
+__all__ = ["Lease", "LeaseLost", "claim", "heartbeat", "release", "lock_fenced", "bump_fenced", "F"]

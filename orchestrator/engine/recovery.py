@@ -1,0 +1,85 @@
+"""Cold recovery: find running tasks whose worker went quiet and hand them to another.
+
+A task is stale when its heartbeat is older than ORCH_STALE_AFTER_SECONDS. The sweeper
+re-queues it; the next worker's claim bumps the lease epoch (fencing the old worker if it
+comes back) and continues from the last checkpoint. Pending WAL entries are settled when
+the step runs again: idempotent effects replay with the same key, non-idempotent ones in
+doubt send the task to review (engine/wal.py). Safe with several sweepers at once: the
+re-queue is a compare-and-set on the stale heartbeat.
+"""
+import logging
+import time
+from datetime import timedelta
+
+from django.db import transaction
+from django.utils import timezone
+
+from ..conf import harness
+from ..models import Task, TaskStatus as S
+from . import scheduler, states
+
+log = logging.getLogger(__name__)
+
+SWEEPABLE = (S.RUNNING, S.PAUSING, S.STOPPING)
+
+
+def stale_tasks(now=None):
+    cutoff = (now or timezone.now()) - timedelta(seconds=harness.stale_after_seconds)
+    return Task.objects.filter(status__in=SWEEPABLE, heartbeat_at__lt=cutoff)
+
+
+def sweep() -> list[int]:
+    """One pass: recover every stale task; returns the ids recovered by this sweeper."""
+    recovered = []
+    for task_id in stale_tasks().values_list("pk", flat=True)[:500]:
+        if recover_task(task_id):
+            recovered.append(task_id)
+    return recovered
+
+
+def recover_task(task_id: int) -> bool:
+    cutoff = timezone.now() - timedelta(seconds=harness.stale_after_seconds)
+    with transaction.atomic():
+        task = Task.objects.select_for_update(skip_locked=True).filter(
+            pk=task_id, status__in=SWEEPABLE, heartbeat_at__lt=cutoff).first()
+        if task is None:
+            return False  # recovered by another sweeper, or alive after all
+        attempt = task.recovery_attempts + 1
+        dead_worker = task.lease_owner
+        extra = {"task_id": task.pk, "checkpoint_version": task.checkpoint_version, "event_id": task.event_seq,
+                 "recovery_attempt": attempt, "lease_epoch": task.lease_epoch}
+        if attempt > harness.max_recovery_attempts:
+            states.transition(task, S.NEEDS_HUMAN, reason=f"recovery attempts exhausted ({attempt - 1})",
+                              action="recovery", lease_owner="")
+            log.warning("recovery: needs a human", extra={**extra, "resume_strategy": "needs_human"})
+            return True
+        # Outstanding operator requests finish here: nobody is running the task any more.
+        target = {S.STOPPING: S.STOPPED, S.PAUSING: S.PAUSED}.get(task.status)
+        if target or task.control == "terminate":
+            target = S.TERMINATED if task.control == "terminate" else target
+            states.transition(task, target, reason=f"worker {dead_worker} died; {task.control} completed by recovery",
+                              action="recovery", lease_owner="", control="")
+            log.info("recovery: settled operator request", extra={**extra, "resume_strategy": target})
+            return True
+        # Keep status `running` (the claim CAS accepts stale heartbeats); bump the epoch
+        # now so the dead worker is fenced even before the next one claims.
+        Task.objects.filter(pk=task.pk).update(recovery_attempts=attempt, lease_owner="",
+                                               lease_epoch=task.lease_epoch + 1, heartbeat_at=timezone.now())
+        task.recovery_attempts = attempt
+        from .events import append_event
+
+        append_event(task, "recovery", {"attempt": attempt, "dead_worker": dead_worker,
+                                        "checkpoint_version": task.checkpoint_version})
+        scheduler.enqueue(task.pk)
+    log.info("recovery: re-queued from checkpoint", extra={**extra, "resume_strategy": "requeue_from_checkpoint"})
+    return True
+
+
+def sweep_loop(interval: float | None = None) -> None:
+    interval = interval or max(0.5, harness.heartbeat_seconds)
+    while True:
+        try:
+            sweep()
+        except Exception:
+            log.exception("sweep failed; trying again")
+        time.sleep(interval)

@@ -1,0 +1,296 @@
+"""The runner: drives one task's steps in dependency order while holding its lease.
+
+Independent steps run concurrently (up to the task's `max_subtasks`) in threads; only
+this loop commits step checkpoints, so commits are serialised and fenced on the lease.
+A supervisor thread heartbeats the lease and polls operator requests every ~100 ms.
+
+The loop ends when every step is done, a step fails for good, an effect is ambiguous
+(review), an operator asked to pause/stop/terminate, a limit ran out (pause), the lease
+was lost, or the time slice is used up (the task re-enqueues itself and any worker
+continues it from its checkpoint).
+"""
+import logging
+import threading
+import time
+import traceback
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import DatabaseError, close_old_connections, connection, transaction
+from django.utils import timezone
+
+from ..conf import harness
+from ..models import StepStatus, Task, TaskStatus as S
+from ..tasktypes import get_type
+from . import checkpoint, lease as leases, scheduler, states
+from .cancellation import CancellationToken, Cancelled
+from .context import StepContext
+from .lease import Lease, LeaseLost
+from .wal import AmbiguousEffect
+
+log = logging.getLogger(__name__)
+
+RETRY_BACKOFF_BASE_SECONDS = 0.5
+RETRY_BACKOFF_MAX_SECONDS = 30.0
+
+
+@dataclass
+class InFlight:
+    step_id: str
+    ctx: StepContext
+    started_at: datetime
+
+
+class Supervisor(threading.Thread):
+    """Heartbeats the lease and relays operator requests to the runner."""
+
+    def __init__(self, runner: "Runner"):
+        super().__init__(name=f"supervisor-task-{runner.lease.task_id}", daemon=True)
+        self.runner = runner
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        lease = self.runner.lease
+        next_beat = time.monotonic() + harness.heartbeat_seconds
+        try:
+            while not self._stopped.wait(harness.control_poll_seconds):
+                try:
+                    row = Task.objects.filter(pk=lease.task_id).values("control", "lease_epoch", "lease_owner").first()
+                    if row is None or row["lease_epoch"] != lease.epoch or row["lease_owner"] != lease.owner:
+                        self.runner.lose_lease()
+                        return
+                    if row["control"]:
+                        self.runner.request(row["control"])
+                    if time.monotonic() >= next_beat:
+                        if not leases.heartbeat(lease):
+                            self.runner.lose_lease()
+                            return
+                        next_beat = time.monotonic() + harness.heartbeat_seconds
+                except DatabaseError:  # a passing database error must not kill the heartbeat
+                    log.warning("supervisor: database error", exc_info=True, extra={"task_id": lease.task_id})
+        finally:
+            connection.close()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+class Runner:
+    def __init__(self, lease: Lease):
+        self.lease = lease
+        self.token = CancellationToken(f"task-{lease.task_id}")
+        self.control: str = ""
+        self.lease_lost = False
+        self.failure: str = ""
+        self.ambiguous: list = []
+        self.not_before: dict[str, float] = {}
+        self.started = time.monotonic()
+        self.accounted = self.started
+
+    # --- signals from the supervisor ------------------------------------------------
+    def request(self, control: str) -> None:
+        if control == self.control:
+            return
+        self.control = control
+        log.info("operator request", extra={"task_id": self.lease.task_id, "worker": self.lease.owner})
+        if control in ("stop", "terminate"):
+            self.token.cancel(control)
+
+    def lose_lease(self) -> None:
+        self.lease_lost = True
+        self.token.cancel("lease lost")
+
+    # --- the loop -----------------------------------------------------------------------
+    def run(self) -> str:
+        task = Task.objects.get(pk=self.lease.task_id)
+        task_type = get_type(task.type)
+        self.params = task_type.Params.model_validate(task.params)
+        self.task_type = task_type
+        self.limits = {**harness.default_limits, **task.limits}
+        self.base_active_seconds, self.base_tokens = task.active_seconds, task.tokens_used
+        self.plan = checkpoint.ensure_plan(lease=self.lease, task_type=task_type, params=self.params)
+        self.results = dict(Task.objects.get(pk=task.pk).steps.filter(status=StepStatus.DONE)
+                            .values_list("step_id", "result"))
+        supervisor = Supervisor(self)
+        supervisor.start()
+        pool = ThreadPoolExecutor(max_workers=max(1, int(self.limits["max_subtasks"])),
+                                  thread_name_prefix=f"task-{task.pk}-step")
+        in_flight: dict[Future, InFlight] = {}
+        try:
+            while True:
+                halt = self.halt_reason()
+                if not halt:
+                    self.submit_ready(pool, in_flight)
+                if not in_flight:
+                    if halt or self.all_done() or not self.waiting_for_retry():
+                        break
+                    time.sleep(0.05)
+                    continue
+                finished, _ = wait(in_flight, timeout=0.1, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    self.settle(future, in_flight.pop(future))
+        finally:
+            supervisor.stop()
+            pool.shutdown(wait=self.control != "terminate", cancel_futures=True)
+        return self.finish()
+
+    def halt_reason(self) -> str:
+        if self.lease_lost:
+            return "lease lost"
+        if self.control:
+            return self.control
+        if self.failure or self.ambiguous:
+            return "failure"
+        if self.limit_reached():
+            return "limit"
+        if time.monotonic() - self.started > harness.slice_seconds:
+            return "slice"
+        return ""
+
+    def limit_reached(self) -> str:
+        if self.plan.done_count() >= int(self.limits["max_steps"]) and not self.all_done():
+            return "max_steps"
+        if self.base_tokens + self.tokens_this_run() >= int(self.limits["max_tokens"]):
+            return "max_tokens"
+        if self.base_active_seconds + (time.monotonic() - self.started) >= float(self.limits["max_seconds"]):
+            return "max_seconds"
+        return ""
+
+    def tokens_this_run(self) -> int:
+        return getattr(self, "_tokens_this_run", 0)
+
+    def all_done(self) -> bool:
+        return all(s == StepStatus.DONE for s in self.plan.status.values())
+
+    def waiting_for_retry(self) -> bool:
+        return any(self.plan.status[s] == StepStatus.PENDING for s in self.not_before)
+
+    def ready_steps(self, in_flight: dict) -> list[str]:
+        running = {f.step_id for f in in_flight.values()}
+        now = time.monotonic()
+        return [sid for sid in self.plan.order
+                if self.plan.status[sid] == StepStatus.PENDING and sid not in running
+                and self.not_before.get(sid, 0) <= now
+                and all(self.plan.status[d] == StepStatus.DONE for d in self.plan.depends_on[sid])]
+
+    def submit_ready(self, pool: ThreadPoolExecutor, in_flight: dict) -> None:
+        capacity = max(1, int(self.limits["max_subtasks"])) - len(in_flight)
+        for step_id in self.ready_steps(in_flight)[:max(0, capacity)]:
+            ctx = StepContext(task_id=self.lease.task_id, step_id=step_id, params=self.params,
+                              deps={d: self.results.get(d) for d in self.plan.depends_on[step_id]},
+                              lease=self.lease, token=self.token.child(step_id), runner=self)
+            in_flight[pool.submit(self.execute, ctx)] = InFlight(step_id, ctx, timezone.now())
+
+    def execute(self, ctx: StepContext):
+        close_old_connections()
+        return self.task_type.run_step(ctx, ctx.step_id)
+
+    # --- outcomes of one step -------------------------------------------------------
+    def settle(self, future: Future, flight: InFlight) -> None:
+        ctx, step_id = flight.ctx, flight.step_id
+        self.token.discard_child(ctx.token)
+        extra = {"task_id": self.lease.task_id, "step_id": step_id, "lease_epoch": self.lease.epoch}
+        try:
+            result = future.result()
+        except LeaseLost:
+            self.lose_lease()
+            return
+        except Cancelled:
+            if ctx.completed_effects and not self.lease_lost:
+                self.record_failure(flight, "cancelled", retrying=True)
+            return
+        except AmbiguousEffect as exc:
+            log.warning("ambiguous effect: waiting for review", extra={**extra, "event_id": exc.entry.pk})
+            self.ambiguous.append(exc.entry)
+            return
+        except Exception as exc:  # the step's own failure: retry with backoff, then fail the task
+            attempts = self.plan.attempts.get(step_id, 0) + 1
+            retrying = attempts < harness.step_max_attempts and not self.token.cancelled
+            error = f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_tb(exc.__traceback__)[-3:])}"
+            log.warning("step failed (attempt %s)%s", attempts, ", retrying" if retrying else "", extra=extra)
+            self.record_failure(flight, error, retrying=retrying)
+            if retrying:
+                delay = min(RETRY_BACKOFF_BASE_SECONDS * 2 ** (attempts - 1), RETRY_BACKOFF_MAX_SECONDS)
+                self.not_before[step_id] = time.monotonic() + delay
+            else:
+                self.failure = f"step {step_id} failed after {attempts} attempts: {type(exc).__name__}: {exc}"
+            return
+        self._tokens_this_run = self.tokens_this_run() + ctx.tokens_used
+        try:
+            version = checkpoint.commit_step(
+                lease=self.lease, plan=self.plan, step_id=step_id, result=result,
+                reads=ctx.params.keys_read, effects=ctx.completed_effects, started_at=flight.started_at,
+                tokens_used=ctx.tokens_used, active_seconds=self.take_active_seconds())
+        except LeaseLost:
+            log.warning("lease lost: step result discarded", extra=extra)
+            self.lose_lease()
+            return
+        self.results[step_id] = result
+        self.not_before.pop(step_id, None)
+        log.debug("step committed", extra={**extra, "checkpoint_version": version})
+
+    def record_failure(self, flight: InFlight, error: str, *, retrying: bool) -> None:
+        try:
+            checkpoint.commit_step_failure(
+                lease=self.lease, plan=self.plan, step_id=flight.step_id, error=error, retrying=retrying,
+                effects=flight.ctx.completed_effects, started_at=flight.started_at,
+                reads=flight.ctx.params.keys_read)
+        except LeaseLost:
+            self.lose_lease()
+
+    def take_active_seconds(self) -> float:
+        now = time.monotonic()
+        delta, self.accounted = now - self.accounted, now
+        return delta
+
+    # --- the end of this run ----------------------------------------------------------
+    def finish(self) -> str:
+        extra = {"task_id": self.lease.task_id, "lease_epoch": self.lease.epoch}
+        if self.lease_lost:
+            log.warning("lease lost: this worker stops without writing", extra=extra)
+            return "lease lost"
+        try:
+            with transaction.atomic():
+                task = leases.lock_fenced(self.lease)
+                task.active_seconds += self.take_active_seconds()
+                task.tokens_used = self.base_tokens + self.tokens_this_run()
+                outcome = self.decide(task)
+        except LeaseLost:
+            log.warning("lease lost before the task's outcome was written", extra=extra)
+            return "lease lost"
+        log.info("run finished: %s", outcome, extra={**extra, "checkpoint_version": task.checkpoint_version})
+        return outcome
+
+    def decide(self, task: Task) -> str:
+        """Write the run's outcome; runs in the finishing transaction with the row locked."""
+        released = {"lease_owner": "", "control": ""}
+        if self.control == "terminate":
+            states.transition(task, S.TERMINATED, reason="force-terminated by an operator", **released)
+            return S.TERMINATED
+        if self.control == "stop":
+            states.transition(task, S.STOPPED, reason="stopped by an operator", **released)
+            return S.STOPPED
+        if self.all_done():
+            states.transition(task, S.COMPLETED, reason="all steps done", **released)
+            return S.COMPLETED
+        if self.ambiguous:
+            keys = ", ".join(e.idempotency_key for e in self.ambiguous)
+            states.transition(task, S.AWAITING_REVIEW, reason=f"side effect in doubt: {keys}", **released)
+            return S.AWAITING_REVIEW
+        if self.failure:
+            states.transition(task, S.FAILED, reason=self.failure[:500], error=self.failure, **released)
+            return S.FAILED
+        if self.control == "pause":
+            states.transition(task, S.PAUSED, reason="paused by an operator", **released)
+            return S.PAUSED
+        limit = self.limit_reached()
+        if limit:
+            states.transition(task, S.PAUSED, reason=f"limit: {limit}", **released)
+            return S.PAUSED
+        # Time slice used up, or nothing runnable right now: hand the task to the next
+        # worker through the queue (it keeps status running; the lease is released).
+        task.lease_owner = ""
+        task.save(update_fields=["lease_owner", "active_seconds", "tokens_used", "updated_at"])
+        scheduler.enqueue(task.pk)
+        return "sliced"

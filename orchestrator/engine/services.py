@@ -1,0 +1,135 @@
+"""Business actions on tasks: the only code that creates or controls tasks. Views, the
+API, the CLI and the admin call these; each validates, runs in one transaction, audits,
+and enqueues work after commit."""
+import logging
+from dataclasses import dataclass
+
+from django.db import transaction
+from django.utils import timezone
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..conf import harness
+from ..models import AuditEntry, Task, TaskStatus as S
+from ..tasktypes import get_type
+from . import scheduler, states
+from .events import append_event
+
+log = logging.getLogger(__name__)
+
+
+class Limits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_steps: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_seconds: float | None = Field(None, gt=0)
+    max_subtasks: int | None = Field(None, ge=1, le=64)
+
+
+@dataclass
+class FieldError:
+    field: str
+    message: str
+
+
+class InvalidInput(Exception):
+    """Input that cannot be accepted; `errors` name each field and what is wrong."""
+
+    def __init__(self, errors: list[FieldError]):
+        self.errors = errors
+        super().__init__("; ".join(f"{e.field}: {e.message}" for e in errors))
+
+
+def _field_errors(exc: ValidationError, prefix: str) -> list[FieldError]:
+    return [FieldError(".".join([prefix, *map(str, err["loc"])]), err["msg"]) for err in exc.errors()]
+
+
+def validate_params(type_name: str, params: dict) -> dict:
+    """Params checked against the type's schema, with defaults filled in."""
+    try:
+        task_type = get_type(type_name)
+    except LookupError as exc:
+        raise InvalidInput([FieldError("type", str(exc))]) from None
+    try:
+        return task_type.Params.model_validate(params or {}).model_dump(mode="json")
+    except ValidationError as exc:
+        raise InvalidInput(_field_errors(exc, "params")) from None
+
+
+def validate_limits(limits: dict | None) -> dict:
+    try:
+        given = Limits.model_validate(limits or {}).model_dump(exclude_none=True)
+    except ValidationError as exc:
+        raise InvalidInput(_field_errors(exc, "limits")) from None
+    return {**harness.default_limits, **given}
+
+
+def audit(*, action: str, actor=None, ip: str | None = None, task: Task | None = None,
+          before=None, after=None, reason: str = "") -> AuditEntry:
+    return AuditEntry.objects.create(
+        actor=actor if getattr(actor, "is_authenticated", False) else None,
+        actor_name=getattr(actor, "username", "") or "system", ip=ip, action=action, task=task,
+        before=before, after=after, reason=reason)
+
+
+def task_create(*, type: str, params: dict, limits: dict | None = None, title: str = "", actor=None,
+                ip: str | None = None) -> Task:
+    clean_params = validate_params(type, params)
+    clean_limits = validate_limits(limits)
+    with transaction.atomic():
+        task = Task.objects.create(type=type, title=title[:200], params=clean_params, limits=clean_limits,
+                                   status=S.QUEUED, created_by=actor if getattr(actor, "is_authenticated", False) else None)
+        append_event(task, "created", {"type": type, "params": clean_params})
+        audit(action="task.create", actor=actor, ip=ip, task=task,
+              after={"type": type, "params": clean_params, "limits": clean_limits})
+        scheduler.enqueue(task.pk)
+    log.info("task created", extra={"task_id": task.pk})
+    return task
+
+
+def _request_control(task_id: int, control: str, *, target: str, actor, ip, reason: str) -> Task:
+    """Ask the runner of a running task to pause/stop/terminate; settle idle tasks directly."""
+    with transaction.atomic():
+        task = states.lock_task(task_id)
+        if task.control == control or task.status == target:
+            return task  # a repeated request is harmless
+        if task.status in (S.RUNNING, S.PAUSING, S.STOPPING) and task.lease_owner:
+            intermediate = {"pause": S.PAUSING, "stop": S.STOPPING, "terminate": task.status}[control]
+            if intermediate != task.status:
+                states.transition(task, intermediate, reason=reason or f"{control} requested", actor=actor, ip=ip,
+                                  action=f"task.{control}", control=control, control_requested_at=timezone.now())
+            else:
+                task.control, task.control_requested_at = control, timezone.now()
+                task.save(update_fields=["control", "control_requested_at", "updated_at"])
+                audit(action=f"task.{control}", actor=actor, ip=ip, task=task, reason=reason,
+                      before={"status": task.status}, after={"control": control})
+        else:
+            # No runner holds it (queued, paused, awaiting review, between slices): settle now.
+            states.transition(task, target, reason=reason or f"{control} by an operator", actor=actor, ip=ip,
+                              action=f"task.{control}", control="")
+    return task
+
+
+def task_pause(*, task_id: int, actor=None, ip=None, reason: str = "") -> Task:
+    return _request_control(task_id, "pause", target=S.PAUSED, actor=actor, ip=ip, reason=reason)
+
+
+def task_stop(*, task_id: int, actor=None, ip=None, reason: str = "") -> Task:
+    return _request_control(task_id, "stop", target=S.STOPPED, actor=actor, ip=ip, reason=reason)
+
+
+def task_terminate(*, task_id: int, actor=None, ip=None, reason: str = "") -> Task:
+    return _request_control(task_id, "terminate", target=S.TERMINATED, actor=actor, ip=ip, reason=reason)
+
+
+def task_resume(*, task_id: int, actor=None, ip=None, reason: str = "") -> Task:
+    """Continue a paused task from its checkpoint on any worker."""
+    with transaction.atomic():
+        task = states.lock_task(task_id)
+        if task.status in (S.QUEUED, S.RUNNING):
+            return task
+        if task.status != S.PAUSED:
+            raise states.InvalidTransition(task, S.QUEUED, f"Task #{task.pk} is {task.status}; only a paused task can be resumed.")
+        states.transition(task, S.QUEUED, reason=reason or "resumed by an operator", actor=actor, ip=ip,
+                          action="task.resume", control="")
+        scheduler.enqueue(task.pk)
+    return task

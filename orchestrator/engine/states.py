@@ -1,0 +1,84 @@
+"""The task state machine: every allowed transition, in one place.
+
+Nothing else assigns Task.status. A transition runs inside the caller's transaction with
+the task row locked, appends a `status` event to the progress log and an audit entry.
+"""
+from django.db import transaction
+from django.utils import timezone
+
+from ..models import AuditEntry, Task, TaskStatus as S
+
+TERMINAL = frozenset({S.COMPLETED, S.FAILED, S.STOPPED, S.TERMINATED})
+ACTIVE = frozenset({S.RUNNING, S.PAUSING, S.STOPPING})
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    S.QUEUED: frozenset({S.RUNNING, S.PAUSED, S.STOPPED, S.TERMINATED, S.NEEDS_HUMAN}),
+    # running -> queued: a recovered or time-sliced task waits for the next worker.
+    S.RUNNING: frozenset({S.COMPLETED, S.FAILED, S.PAUSING, S.PAUSED, S.STOPPING, S.STOPPED,
+                          S.TERMINATED, S.AWAITING_REVIEW, S.NEEDS_HUMAN, S.QUEUED}),
+    S.PAUSING: frozenset({S.PAUSED, S.STOPPING, S.STOPPED, S.TERMINATED, S.COMPLETED, S.FAILED,
+                          S.AWAITING_REVIEW, S.NEEDS_HUMAN, S.QUEUED}),
+    S.PAUSED: frozenset({S.QUEUED, S.STOPPED, S.TERMINATED}),
+    S.STOPPING: frozenset({S.STOPPED, S.TERMINATED, S.NEEDS_HUMAN}),
+    S.AWAITING_REVIEW: frozenset({S.QUEUED, S.FAILED, S.TERMINATED, S.STOPPED, S.NEEDS_HUMAN}),
+    S.NEEDS_HUMAN: frozenset({S.QUEUED, S.FAILED, S.TERMINATED, S.STOPPED}),
+    S.COMPLETED: frozenset(),
+    S.FAILED: frozenset(),
+    S.STOPPED: frozenset(),
+    S.TERMINATED: frozenset(),
+}
+
+
+class InvalidTransition(Exception):
+    """Refused state change; the message says why, for an operator to read (HTTP 409)."""
+
+    def __init__(self, task: Task, to: str, why: str = ""):
+        self.task_id, self.current, self.target = task.pk, task.status, to
+        message = why or f"Task #{task.pk} is {task.status}; it cannot become {to}."
+        super().__init__(message)
+
+
+def can_transition(current: str, to: str) -> bool:
+    return to in TRANSITIONS.get(current, frozenset())
+
+
+def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | None = None,
+               action: str = "", extra: dict | None = None, **fields) -> Task:
+    """Move a locked `task` to status `to`, saving `fields` with it.
+
+    The caller holds `select_for_update()` on the row inside `transaction.atomic()`.
+    """
+    from .events import append_event  # events import this module's constants
+
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError("transition() must run inside transaction.atomic()")
+    if not can_transition(task.status, to):
+        raise InvalidTransition(task, to)
+    before = task.status
+    now = timezone.now()
+    task.status = to
+    task.status_reason = reason[:500]
+    if to == S.RUNNING and task.started_at is None:
+        task.started_at = now
+    if to in TERMINAL:
+        task.finished_at = now
+        task.lease_owner = ""
+        task.control = ""
+    for name, value in fields.items():
+        setattr(task, name, value)
+    task.save()
+    append_event(task, "status", {"from": before, "to": to, "reason": task.status_reason, **(extra or {})})
+    AuditEntry.objects.create(
+        actor=actor if actor is not None and getattr(actor, "is_authenticated", False) else None,
+        actor_name=getattr(actor, "username", "") or "system",
+        ip=ip, action=action or f"status:{to}", task=task,
+        before={"status": before}, after={"status": to, **({"reason": reason} if reason else {})},
+        reason=reason,
+    )
+    return task
+
+
+def lock_task(task_id: int) -> Task:
+    """The task row, locked for the rest of the transaction (a no-op lock on SQLite, whose
+    IMMEDIATE transactions already serialise writers)."""
+    return Task.objects.select_for_update().get(pk=task_id)

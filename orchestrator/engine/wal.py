@@ -1,0 +1,133 @@
+"""The write-ahead-log protocol for side effects (DESIGN "The WAL protocol").
+
+1. Commit a WalEntry `pending` (fenced on the lease) with the tool, args and a
+   deterministic idempotency key: task, step, call index — the same on replay.
+2. Perform the effect, passing the key to the tool.
+3. Record `done` with the result (or `failed` with the error). `done` is committed with
+   the step's checkpoint (runner), so a side-effect step costs two commits: intent and
+   checkpoint. If the step raises after the effect, the runner still commits the `done`.
+
+Before performing, the WAL and the idempotency store are consulted: a recorded result is
+reused, never performed twice. A `pending` entry found on re-execution means an earlier
+attempt died in doubt: idempotent tools replay it; non-idempotent ones must not guess and
+raise AmbiguousEffect (the task goes to review).
+"""
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from ..models import IdempotencyRecord, WalEntry, WalStatus
+from ..tools.base import get_tool
+from .faults import fault_point
+from .lease import Lease, bump_fenced
+
+log = logging.getLogger(__name__)
+
+
+class AmbiguousEffect(Exception):
+    """A non-idempotent effect may or may not have happened: a human must decide."""
+
+    def __init__(self, entry: WalEntry):
+        super().__init__(f"{entry.tool} with key {entry.idempotency_key} may or may not have happened")
+        self.entry = entry
+
+
+class EffectFailed(Exception):
+    """The tool reported a failure; the WAL entry is (or will be) marked failed."""
+
+    def __init__(self, entry_id: int, error: Exception):
+        super().__init__(str(error))
+        self.entry_id, self.error = entry_id, error
+
+
+@dataclass
+class CompletedEffect:
+    """An effect that happened and whose `done` is committed with the step checkpoint."""
+
+    entry_id: int
+    key: str
+    tool: str
+    result: Any
+
+
+def idempotency_key(task_id: int, step_id: str, call_index: int) -> str:
+    return f"t{task_id}:{step_id}:{call_index}"
+
+
+def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args: dict, token,
+            completed: list[CompletedEffect]) -> Any:
+    """Run one side effect under the WAL protocol; append it to `completed` when it happened."""
+    tool = get_tool(tool_name)
+    tool.validate(args)
+    key = idempotency_key(lease.task_id, step_id, call_index)
+
+    entry = WalEntry.objects.filter(idempotency_key=key).first()
+    if entry is not None and entry.status == WalStatus.DONE:
+        return entry.result  # replay after a crash between `done` and the checkpoint
+    recorded = IdempotencyRecord.objects.filter(key=key).first()
+    if recorded is not None:
+        if entry is not None:
+            completed.append(CompletedEffect(entry.pk, key, tool_name, recorded.result))
+        return recorded.result
+    if entry is not None and entry.status == WalStatus.PENDING and not tool.is_idempotent(entry.args):
+        raise AmbiguousEffect(entry)
+
+    fault_point("before_intent", step_id)
+    if entry is None:
+        entry = write_intent(lease=lease, step_id=step_id, call_index=call_index, tool_name=tool_name,
+                             args=args, key=key, idempotent=tool.is_idempotent(args))
+    elif entry.status == WalStatus.FAILED:
+        # A failed effect did not happen: the retry reuses the entry (and its key).
+        WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.PENDING, error="", completed_at=None)
+    fault_point("after_intent", step_id)
+    try:
+        fault_point("during_effect", step_id)
+        result = tool.perform(args, key=key, token=token)
+    except Exception as exc:
+        mark_failed(entry.pk, exc)
+        raise EffectFailed(entry.pk, exc) from exc
+    fault_point("after_effect", step_id)
+    completed.append(CompletedEffect(entry.pk, key, tool_name, result))
+    return result
+
+
+def write_intent(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args: dict, key: str,
+                 idempotent: bool) -> WalEntry:
+    with transaction.atomic():
+        bump_fenced(lease)  # a worker whose lease is stale writes no intent
+        entry = WalEntry.objects.create(
+            task_id=lease.task_id, step_id=step_id, call_index=call_index, tool=tool_name, args=args,
+            idempotency_key=key, idempotent=idempotent, lease_epoch=lease.epoch,
+            worker=f"{lease.host}:{lease.pid}")
+    log.debug("wal intent", extra={"task_id": lease.task_id, "step_id": step_id, "event_id": entry.pk})
+    return entry
+
+
+def mark_failed(entry_id: int, error: Exception) -> None:
+    WalEntry.objects.filter(pk=entry_id, status=WalStatus.PENDING).update(
+        status=WalStatus.FAILED, error=f"{type(error).__name__}: {error}"[:5000], completed_at=timezone.now())
+
+
+def mark_done(effects: list[CompletedEffect]) -> None:
+    """Record completed effects in the current transaction (the step's checkpoint)."""
+    if not effects:
+        return
+    now = timezone.now()
+    for effect in effects:
+        WalEntry.objects.filter(pk=effect.entry_id).update(status=WalStatus.DONE, result=effect.result,
+                                                            completed_at=now, error="")
+    IdempotencyRecord.objects.bulk_create(
+        [IdempotencyRecord(key=e.key, tool=e.tool, result=e.result) for e in effects], ignore_conflicts=True)
+
+
+def record_idempotency(key: str, tool: str, result: Any) -> None:
+    """For tools whose effect is in this database: record the key in the effect's own
+    transaction, so recovery can tell for certain that it happened."""
+    try:
+        with transaction.atomic():
+            IdempotencyRecord.objects.create(key=key, tool=tool, result=result)
+    except IntegrityError:
+        pass

@@ -1,0 +1,68 @@
+"""`make run`: the web server (daphne), the worker cluster and the sweeper, together.
+Ctrl-C (or SIGTERM) stops all of them."""
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand
+
+
+class Command(BaseCommand):
+    help = "Start daphne on 127.0.0.1:$PORT, the django-q2 worker cluster and the sweeper."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
+        parser.add_argument("--port", type=int, default=settings.PORT)
+
+    def handle(self, *args, host, port, **options):
+        self.ensure_admin()
+        python, manage = sys.executable, str(settings.BASE_DIR / "manage.py")
+        commands = {
+            "web": [python, "-m", "daphne", "-b", host, "-p", str(port), "orchestrator.asgi:application"],
+            "workers": [python, manage, "qcluster"],
+            "sweeper": [python, manage, "recover", "--loop"],
+        }
+        procs = {name: subprocess.Popen(argv, cwd=settings.BASE_DIR) for name, argv in commands.items()}
+        self.stdout.write(self.style.SUCCESS(f"Orchestrator running at http://{host}:{port}/  (Ctrl-C stops everything)"))
+        stopping = False
+
+        def stop(*_):
+            nonlocal stopping
+            stopping = True
+
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            while not stopping:
+                for name, proc in procs.items():
+                    if proc.poll() is not None:
+                        self.stderr.write(f"{name} exited with {proc.returncode}; stopping the rest")
+                        stopping = True
+                time.sleep(0.2)
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            for proc in procs.values():
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            self.stdout.write("stopped")
+
+    def ensure_admin(self) -> None:
+        User = get_user_model()
+        if User.objects.filter(is_superuser=True).exists():
+            return
+        password = os.environ.get("ADMIN_PASSWORD") or secrets.token_urlsafe(9)
+        User.objects.create_superuser("admin", "admin@localhost", password)
+        credentials = settings.VAR_DIR / "admin-credentials.txt"
+        credentials.write_text(f"username: admin\npassword: {password}\n")
+        self.stdout.write(self.style.WARNING(
+            f"Created the first user: admin / {password}  (also saved in {credentials})"))

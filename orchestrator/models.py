@@ -1,0 +1,262 @@
+"""The durable state of the harness. Nothing relies on process memory for truth.
+
+Only the engine's services write these rows (orchestrator/engine/); views, the API,
+the admin and management commands call those services.
+"""
+from django.conf import settings
+from django.db import models
+
+
+class TaskStatus(models.TextChoices):
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    TERMINATED = "terminated"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    AWAITING_REVIEW = "awaiting_review"
+    NEEDS_HUMAN = "needs_human"
+
+
+class Task(models.Model):
+    type = models.CharField(max_length=100, db_index=True)
+    title = models.CharField(max_length=200, blank=True)
+    params = models.JSONField(default=dict)
+    limits = models.JSONField(default=dict)
+    status = models.CharField(max_length=20, choices=TaskStatus.choices, default=TaskStatus.QUEUED)
+    status_reason = models.CharField(max_length=500, blank=True)
+    error = models.TextField(blank=True)
+
+    # Progress counters (denormalised so the list page needs no joins).
+    steps_total = models.PositiveIntegerField(default=0)
+    steps_done = models.PositiveIntegerField(default=0)
+    tokens_used = models.PositiveBigIntegerField(default=0)
+    active_seconds = models.FloatField(default=0.0)
+    recovery_attempts = models.PositiveIntegerField(default=0)
+
+    # Durability bookkeeping.
+    checkpoint_version = models.PositiveIntegerField(default=0)
+    event_seq = models.PositiveBigIntegerField(default=0)
+
+    # The lease: who runs this task now. Every commit of a step is fenced on lease_epoch.
+    lease_owner = models.CharField(max_length=200, blank=True)
+    lease_epoch = models.PositiveBigIntegerField(default=0)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    worker_host = models.CharField(max_length=200, blank=True)
+    worker_pid = models.PositiveIntegerField(null=True, blank=True)
+
+    # Operator requests the runner polls while it runs (pause/stop/terminate).
+    control = models.CharField(max_length=20, blank=True)
+    control_requested_at = models.DateTimeField(null=True, blank=True)
+
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="tasks")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [
+            models.Index(fields=["status", "-id"], name="task_status_id"),
+            models.Index(fields=["type", "-id"], name="task_type_id"),
+            # The sweeper's query: running tasks by heartbeat age.
+            models.Index(fields=["status", "heartbeat_at"], name="task_status_heartbeat"),
+        ]
+
+    def __str__(self):
+        return f"#{self.pk} {self.type} ({self.status})"
+
+    @property
+    def progress_percent(self) -> int:
+        if not self.steps_total:
+            return 100 if self.status == TaskStatus.COMPLETED else 0
+        return int(100 * self.steps_done / self.steps_total)
+
+
+class StepStatus(models.TextChoices):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Step(models.Model):
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="steps")
+    step_id = models.CharField(max_length=200)
+    position = models.PositiveIntegerField()
+    title = models.CharField(max_length=300, blank=True)
+    depends_on = models.JSONField(default=list)
+    declared_reads = models.JSONField(default=list)
+    # The param keys the step actually read while it ran (recorded, not declared).
+    reads = models.JSONField(default=list)
+    status = models.CharField(max_length=20, choices=StepStatus.choices, default=StepStatus.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    result = models.JSONField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["task", "position"]
+        constraints = [models.UniqueConstraint(fields=["task", "step_id"], name="step_unique_per_task")]
+        indexes = [models.Index(fields=["task", "status"], name="step_task_status")]
+
+    def __str__(self):
+        return f"{self.task_id}/{self.step_id} ({self.status})"
+
+    @property
+    def duration_seconds(self) -> float | None:
+        if self.started_at and self.finished_at:
+            return (self.finished_at - self.started_at).total_seconds()
+        return None
+
+
+class WalStatus(models.TextChoices):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class WalEntry(models.Model):
+    """A side effect's write-ahead-log record: intent before, outcome after."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="wal_entries")
+    step_id = models.CharField(max_length=200)
+    call_index = models.PositiveIntegerField()
+    tool = models.CharField(max_length=100)
+    args = models.JSONField(default=dict)
+    idempotency_key = models.CharField(max_length=200, unique=True)
+    idempotent = models.BooleanField()
+    status = models.CharField(max_length=20, choices=WalStatus.choices, default=WalStatus.PENDING)
+    result = models.JSONField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    lease_epoch = models.PositiveBigIntegerField()
+    worker = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["task", "id"]
+        verbose_name = "WAL entry"
+        verbose_name_plural = "WAL entries"
+        indexes = [
+            models.Index(fields=["task", "status"], name="wal_task_status"),
+            models.Index(fields=["status", "created_at"], name="wal_status_created"),
+        ]
+
+    def __str__(self):
+        return f"{self.tool} {self.idempotency_key} ({self.status})"
+
+
+class Snapshot(models.Model):
+    """A checkpoint version: plan with step states, params, counters. Step results live
+    in Step rows (referenced, loaded lazily), so a snapshot row stays small."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="snapshots")
+    version = models.PositiveIntegerField()
+    step_id = models.CharField(max_length=200, blank=True)
+    state = models.JSONField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["task", "-version"]
+        constraints = [models.UniqueConstraint(fields=["task", "version"], name="snapshot_unique_version")]
+
+    def __str__(self):
+        return f"task {self.task_id} v{self.version}"
+
+
+class TaskEvent(models.Model):
+    """The append-only progress log; `seq` rises by one per task with no gaps."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="events")
+    seq = models.PositiveBigIntegerField()
+    kind = models.CharField(max_length=50)
+    payload = models.JSONField(default=dict)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["task", "seq"]
+        constraints = [models.UniqueConstraint(fields=["task", "seq"], name="event_unique_seq")]
+
+    def __str__(self):
+        return f"task {self.task_id} #{self.seq} {self.kind}"
+
+
+class IdempotencyRecord(models.Model):
+    """Results of side effects by idempotency key: consulted before performing one."""
+
+    key = models.CharField(max_length=200, unique=True)
+    tool = models.CharField(max_length=100)
+    result = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self):
+        return self.key
+
+
+class AuditEntry(models.Model):
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                              related_name="audit_entries")
+    actor_name = models.CharField(max_length=150, blank=True)
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    ip = models.GenericIPAddressField(null=True, blank=True)
+    action = models.CharField(max_length=50, db_index=True)
+    task = models.ForeignKey(Task, null=True, blank=True, on_delete=models.SET_NULL, related_name="audit_entries")
+    before = models.JSONField(null=True, blank=True)
+    after = models.JSONField(null=True, blank=True)
+    reason = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-at", "-id"]
+        verbose_name_plural = "audit entries"
+
+    def __str__(self):
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor_name or 'system'} {self.action}"
+
+
+class ApiToken(models.Model):
+    """A bearer token for the API; only its SHA-256 is stored."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    token_hash = models.CharField(max_length=64, unique=True)
+    prefix = models.CharField(max_length=12)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self):
+        return f"{self.user} {self.prefix}…"
+
+
+# --- Tables of the demo workloads ------------------------------------------------------
+
+class DemoSource(models.Model):
+    id = models.BigIntegerField(primary_key=True)
+    amount = models.DecimalField(max_digits=18, decimal_places=4)
+
+    class Meta:
+        db_table = "demo_source"
+
+
+class DemoDestination(models.Model):
+    id = models.BigIntegerField(primary_key=True)
+    amount = models.DecimalField(max_digits=18, decimal_places=4)
+
+    class Meta:
+        db_table = "demo_destination"
+
+
+class DemoContractExtraction(models.Model):
+    contract = models.CharField(max_length=100, primary_key=True)
+    parties = models.JSONField(default=list)
+    dates = models.JSONField(default=list)
+    amounts = models.JSONField(default=list)
+    task = models.ForeignKey(Task, null=True, on_delete=models.SET_NULL, related_name="+")
+
+    class Meta:
+        db_table = "demo_contract_extraction"

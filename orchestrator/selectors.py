@@ -1,0 +1,33 @@
+"""Reads for pages, the API and the CLI (writes live in engine/services.py)."""
+from django.db.models import Q, QuerySet
+
+from .models import Task, TaskStatus
+
+PAGE_SIZE = 50
+
+
+def task_list(*, status: str = "", type: str = "", text: str = "") -> QuerySet[Task]:
+    qs = Task.objects.all()
+    if status:
+        qs = qs.filter(status__in=[s for s in status.split(",") if s in TaskStatus.values])
+    if type:
+        qs = qs.filter(type=type)
+    if text:
+        query = Q(title__icontains=text) | Q(type__icontains=text)
+        if text.lstrip("#").isdigit():
+            query |= Q(pk=int(text.lstrip("#")))
+        qs = qs.filter(query)
+    return qs.order_by("-id")
+
+
+def task_page(qs: QuerySet[Task], *, before: int | None = None, limit: int = PAGE_SIZE) -> tuple[list[Task], int | None]:
+    """Keyset pagination on id (newest first): fast at any depth, unlike OFFSET."""
+    if before:
+        qs = qs.filter(pk__lt=before)
+    rows = list(qs[:limit + 1])
+    next_before = rows[limit - 1].pk if len(rows) > limit else None
+    return rows[:limit], next_before
+
+
+def task_detail(task_id: int) -> Task:
+    return Task.objects.select_related("created_by").get(pk=task_id)

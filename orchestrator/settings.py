@@ -1,0 +1,170 @@
+"""Django settings, read from the environment (see README "Configuration").
+
+The zero-config default is a SQLite file under var/; DATABASE_URL selects PostgreSQL.
+"""
+import os
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("ORCH_VAR_DIR", BASE_DIR / "var"))
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+
+def env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+SECRET_KEY = os.environ.get("SECRET_KEY", "dev-only-insecure-secret-key-change-me-in-production")
+DEBUG = env_bool("DEBUG", True)
+ALLOWED_HOSTS = [h.strip() for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",") if h.strip()]
+PORT = int(os.environ.get("PORT", "8000"))
+CSRF_TRUSTED_ORIGINS = [
+    o.strip() for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()
+] or [f"http://{h}:{PORT}" for h in ALLOWED_HOSTS if h not in {"*", "testserver"}]
+
+INSTALLED_APPS = [
+    "daphne",  # first, so runserver serves ASGI
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "django_q",
+    "orchestrator.apps.OrchestratorConfig",
+    "review.apps.ReviewConfig",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "orchestrator.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+                "orchestrator.views.nav_context",
+            ],
+        },
+    },
+]
+WSGI_APPLICATION = "orchestrator.wsgi.application"
+ASGI_APPLICATION = "orchestrator.asgi.application"
+
+# --- Database -------------------------------------------------------------------------
+SQLITE_PATH = VAR_DIR / "orchestrator.sqlite3"
+DATABASE_URL = os.environ.get("DATABASE_URL", f"sqlite:///{SQLITE_PATH}")
+# Workers keep connections open: django-q2's ORM broker otherwise reconnects on every
+# poll and runs ~8x slower (STACK_NOTES).
+CONN_MAX_AGE = int(os.environ.get("CONN_MAX_AGE", "600"))
+_db = dj_database_url.parse(DATABASE_URL, conn_max_age=CONN_MAX_AGE, conn_health_checks=True)
+if _db["ENGINE"] == "django.db.backends.sqlite3":
+    # Without IMMEDIATE transactions, WAL mode and a busy timeout, concurrent
+    # read-then-write transactions from the web and worker processes fail with
+    # "database is locked" (STACK_NOTES). SQLite connections are cheap: no pooling.
+    _db["CONN_MAX_AGE"] = 0
+    _db["CONN_HEALTH_CHECKS"] = False
+    _db["OPTIONS"] = {
+        "transaction_mode": "IMMEDIATE",
+        "timeout": 30,
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    # Tests use a file so that worker processes can open the same database.
+    _db["TEST"] = {"NAME": str(Path(_db["NAME"]).with_name("test_" + Path(_db["NAME"]).name))}
+DATABASES = {"default": _db}
+IS_SQLITE = _db["ENGINE"] == "django.db.backends.sqlite3"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Channels / Redis -----------------------------------------------------------------
+REDIS_URL = os.environ.get("REDIS_URL", "")
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# --- Workers (django-q2) --------------------------------------------------------------
+# A task is driven in bounded slices (ORCH_SLICE_SECONDS, then it re-enqueues itself), so
+# one django-q2 job never runs for hours. `retry` must exceed the job's run time plus its
+# wait in the cluster's queue, or django-q2 delivers it again while it still runs
+# (STACK_NOTES). Our own lease + sweeper guarantee recovery; django-q2 never retries.
+Q_TIMEOUT = int(os.environ.get("ORCH_JOB_TIMEOUT_SECONDS", "3600"))
+Q_CLUSTER = {
+    "name": "orchestrator",
+    "workers": int(os.environ.get("ORCH_WORKERS", "2")),
+    "timeout": Q_TIMEOUT,
+    "retry": Q_TIMEOUT * 2,
+    "max_attempts": 1,
+    "ack_failures": True,
+    "catch_up": False,
+    "poll": 0.1,
+    "save_limit": 250,
+    "label": "Worker jobs",
+}
+if REDIS_URL:
+    Q_CLUSTER["redis"] = REDIS_URL
+else:
+    Q_CLUSTER["orm"] = "default"
+
+# --- Email ----------------------------------------------------------------------------
+EMAIL_HOST = os.environ.get("EMAIL_HOST", "127.0.0.1")
+EMAIL_PORT = int(os.environ.get("EMAIL_PORT", "1025"))
+EMAIL_TIMEOUT = int(os.environ.get("EMAIL_TIMEOUT", "30"))
+DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "orchestrator@localhost")
+
+# --- Auth, i18n, static ---------------------------------------------------------------
+AUTH_PASSWORD_VALIDATORS = []
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "staticfiles"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "structured": {"()": "orchestrator.logging.StructuredFormatter"},
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "structured"}},
+    "loggers": {
+        "orchestrator": {"handlers": ["console"], "level": os.environ.get("ORCH_LOG_LEVEL", "INFO")},
+        "django_q": {"handlers": ["console"], "level": "WARNING", "propagate": False},
+    },
+}
+
+# --- The harness's own settings: read through orchestrator.conf ------------------------
+ORCH_HEARTBEAT_SECONDS = float(os.environ.get("ORCH_HEARTBEAT_SECONDS", "2"))
+ORCH_STALE_AFTER_SECONDS = float(os.environ.get("ORCH_STALE_AFTER_SECONDS", str(3 * ORCH_HEARTBEAT_SECONDS)))
+ORCH_GRACE_SECONDS = float(os.environ.get("ORCH_GRACE_SECONDS", "5"))
+ORCH_SNAPSHOT_KEEP = int(os.environ.get("ORCH_SNAPSHOT_KEEP", "10"))
+ORCH_MAX_RECOVERY_ATTEMPTS = int(os.environ.get("ORCH_MAX_RECOVERY_ATTEMPTS", "3"))
+ORCH_SLICE_SECONDS = float(os.environ.get("ORCH_SLICE_SECONDS", "60"))

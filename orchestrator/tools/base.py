@@ -1,0 +1,55 @@
+"""Side-effect tools. Each declares whether a call is idempotent (safe to replay after a
+crash left it in doubt). Steps never call tools directly: they go through ctx.effect(),
+which writes the WAL intent first (orchestrator/engine/wal.py)."""
+from typing import Any, ClassVar
+
+from ..engine.cancellation import CancellationToken
+
+
+class ToolError(Exception):
+    """The side effect failed (and did not happen, as far as the tool can tell)."""
+
+
+class Tool:
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    idempotent: ClassVar[bool] = False
+
+    def is_idempotent(self, args: dict) -> bool:
+        """Whether replaying this call cannot duplicate its effect."""
+        return self.idempotent
+
+    def validate(self, args: dict) -> None:
+        """Raise ToolError for arguments that can never work (before any intent is written)."""
+
+    def perform(self, args: dict, *, key: str, token: CancellationToken) -> Any:
+        raise NotImplementedError
+
+    def evidence(self, args: dict, *, key: str) -> dict | None:
+        """What the tool can tell a reviewer about whether `key` happened (None: nothing)."""
+        return None
+
+
+_TOOLS: dict[str, Tool] = {}
+
+
+def register(cls: type[Tool]) -> type[Tool]:
+    _TOOLS[cls.name] = cls()
+    return cls
+
+
+def get_tool(name: str) -> Tool:
+    _load_builtin()
+    try:
+        return _TOOLS[name]
+    except KeyError:
+        raise ToolError(f"Unknown tool {name!r}; known tools: {', '.join(sorted(_TOOLS))}") from None
+
+
+def all_tools() -> dict[str, Tool]:
+    _load_builtin()
+    return dict(_TOOLS)
+
+
+def _load_builtin() -> None:
+    from . import db, email, http, shell  # noqa: F401  (each registers itself)

@@ -1,0 +1,53 @@
+"""db.upsert: insert-or-update rows by primary key in one of the harness's tables.
+
+Idempotent: upserting the same rows twice leaves the same table. The idempotency record
+is written in the same transaction as the rows, so recovery can tell it happened.
+"""
+from django.apps import apps
+from django.db import transaction
+
+from .base import Tool, ToolError, register
+
+# Tables a task may write through this tool (an allow-list: the table name comes from args).
+UPSERT_TABLES = {
+    "demo_source": "orchestrator.DemoSource",
+    "demo_destination": "orchestrator.DemoDestination",
+    "demo_contract_extraction": "orchestrator.DemoContractExtraction",
+}
+
+
+@register
+class DbUpsert(Tool):
+    name = "db.upsert"
+    description = "Insert or update rows by primary key: {table, columns, rows}."
+    idempotent = True
+
+    def _model(self, table: str):
+        try:
+            return apps.get_model(UPSERT_TABLES[table])
+        except KeyError:
+            raise ToolError(f"db.upsert may not write table {table!r}; allowed: {', '.join(UPSERT_TABLES)}") from None
+
+    def validate(self, args: dict) -> None:
+        model = self._model(args.get("table", ""))
+        columns = args.get("columns") or []
+        field_names = {f.attname for f in model._meta.concrete_fields}
+        unknown = [c for c in columns if c not in field_names]
+        if unknown or model._meta.pk.attname not in columns:
+            raise ToolError(f"db.upsert columns must include {model._meta.pk.attname!r} and only {sorted(field_names)}; "
+                            f"got {columns}")
+
+    def perform(self, args: dict, *, key: str, token) -> dict:
+        from ..engine.wal import record_idempotency
+
+        token.raise_if_cancelled()
+        model = self._model(args["table"])
+        columns, pk = args["columns"], model._meta.pk.attname
+        objs = [model(**dict(zip(columns, row))) for row in args["rows"]]
+        result = {"table": args["table"], "rows": len(objs)}
+        with transaction.atomic():
+            if objs:
+                model.objects.bulk_create(objs, update_conflicts=True, unique_fields=[pk],
+                                          update_fields=[c for c in columns if c != pk], batch_size=500)
+            record_idempotency(key, self.name, result)
+        return result

@@ -1,0 +1,1 @@
+# The ReviewItem model arrives with the review queue (cold recovery issue).

@@ -1,0 +1,133 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+from django.contrib.auth.models import Group, User
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(condition, *, timeout: float = 30.0, interval: float = 0.05, message: str = "condition"):
+    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def database_url() -> str:
+    """The URL of the test database, for processes started by a test."""
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{db['NAME']}"
+    return f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
+
+
+def ensure_groups():
+    for name in ("viewer", "operator", "reviewer"):
+        Group.objects.get_or_create(name=name)
+
+
+@pytest.fixture
+def make_user(db):
+    def make(username: str, *roles: str, superuser: bool = False) -> User:
+        ensure_groups()
+        if superuser:
+            return User.objects.create_superuser(username, f"{username}@example.org", "pw")
+        user = User.objects.create_user(username, f"{username}@example.org", "pw")
+        user.groups.set(Group.objects.filter(name__in=roles))
+        return user
+
+    return make
+
+
+class WorkerCluster:
+    """A real `manage.py qcluster` (django-q2) in its own process group."""
+
+    def __init__(self, env: dict, log_path: Path):
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "qcluster"], cwd=ROOT, env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def worker_pids(self) -> list[int]:
+        """The cluster's worker processes (children of its sentinel)."""
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True).stdout
+        sentinels = [int(p) for p in out.split()]
+        pids = []
+        for sentinel in sentinels:
+            kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(sentinel)], capture_output=True, text=True).stdout
+            pids += [int(p) for p in kids.split()]
+        return pids
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture
+def start_workers(transactional_db, tmp_path):
+    """Start real worker clusters against the test database: start_workers(**env)."""
+    clusters = []
+
+    def start(count: int = 2, **env_overrides) -> WorkerCluster:
+        env = {**os.environ, "DATABASE_URL": database_url(), "ORCH_WORKERS": str(count),
+               "ORCH_HEARTBEAT_SECONDS": "0.5", "ORCH_STALE_AFTER_SECONDS": "2",
+               "ORCH_VAR_DIR": str(settings.VAR_DIR), "PYTHONUNBUFFERED": "1",
+               **{k: str(v) for k, v in env_overrides.items()}}
+        cluster = WorkerCluster(env, tmp_path / f"cluster-{len(clusters)}.log")
+        clusters.append(cluster)
+        return cluster
+
+    yield start
+    for cluster in clusters:
+        cluster.stop()
+
+
+@pytest.fixture
+def smtp_server():
+    """A real SMTP server (aiosmtpd) that keeps every message it receives."""
+    from aiosmtpd.controller import Controller
+
+    class Inbox:
+        def __init__(self):
+            self.messages = []
+
+        async def handle_DATA(self, server, session, envelope):
+            from email import message_from_bytes
+
+            self.messages.append(message_from_bytes(envelope.content))
+            return "250 OK"
+
+    inbox = Inbox()
+    inbox.port = free_port()
+    controller = Controller(inbox, hostname="127.0.0.1", port=inbox.port)
+    controller.start()
+    yield inbox
+    controller.stop()
