@@ -42,6 +42,26 @@ class InFlight:
     started_at: datetime
 
 
+def close_thread_connections(pool: ThreadPoolExecutor) -> None:
+    """Close the database connection each pool thread opened (Django connections are
+    per thread; a long-lived worker process must not leak one per task run). The barrier
+    makes every thread take exactly one close job."""
+    threads = len(getattr(pool, "_threads", ()))
+    if not threads:
+        return
+    barrier = threading.Barrier(threads)
+
+    def close():
+        connection.close()
+        try:
+            barrier.wait(timeout=5)
+        except threading.BrokenBarrierError:
+            pass
+
+    for future in [pool.submit(close) for _ in range(threads)]:
+        future.result(timeout=10)
+
+
 class Supervisor(threading.Thread):
     """Heartbeats the lease and relays operator requests to the runner."""
 
@@ -132,6 +152,8 @@ class Runner:
                     self.settle(future, in_flight.pop(future))
         finally:
             supervisor.stop()
+            if self.control != "terminate":
+                close_thread_connections(pool)
             pool.shutdown(wait=self.control != "terminate", cancel_futures=True)
         return self.finish()
 
