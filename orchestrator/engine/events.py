@@ -36,17 +36,31 @@ def create_event(task: Task, seq: int, kind: str, payload: dict) -> TaskEvent:
 
 
 def publish_hint(task_id: int, seq: int, status: str, steps_done: int, steps_total: int) -> None:
-    """Tell listeners that task `task_id` has events up to `seq`. Best effort."""
+    """Tell listeners that task `task_id` has events up to `seq`. Best effort.
+
+    Only a cross-process layer (Redis) can carry it from a worker; the in-memory layer
+    would reach nobody, so publishing there is skipped (it costs ~1 ms per step).
+    """
+    layer = cross_process_layer()
+    if layer is None:
+        return
+    message = {"type": "task.changed", "task_id": task_id, "seq": seq, "status": status,
+               "steps_done": steps_done, "steps_total": steps_total}
+
+    async def send():
+        await layer.group_send(task_group(task_id), message)
+        await layer.group_send(TASK_LIST_GROUP, message)
+
     try:
         from asgiref.sync import async_to_sync
-        from channels.layers import get_channel_layer
 
-        layer = get_channel_layer()
-        if layer is None:
-            return
-        message = {"type": "task.changed", "task_id": task_id, "seq": seq, "status": status,
-                   "steps_done": steps_done, "steps_total": steps_total}
-        async_to_sync(layer.group_send)(task_group(task_id), message)
-        async_to_sync(layer.group_send)(TASK_LIST_GROUP, message)
+        async_to_sync(send)()
     except Exception:  # a lost hint is harmless: the database is the truth
         log.debug("could not publish hint", exc_info=True, extra={"task_id": task_id, "event_id": seq})
+
+
+def cross_process_layer():
+    from channels.layers import InMemoryChannelLayer, get_channel_layer
+
+    layer = get_channel_layer()
+    return None if layer is None or isinstance(layer, InMemoryChannelLayer) else layer
