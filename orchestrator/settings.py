@@ -149,6 +149,7 @@ USE_TZ = True
 STATIC_URL = "/static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = VAR_DIR / "staticfiles"
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 # Serve straight from the app and project static dirs: `make run` needs no collectstatic.
 WHITENOISE_USE_FINDERS = True
 

@@ -8,6 +8,7 @@ import logging
 
 from django.db import transaction
 from django.db.models import F
+from django.utils import timezone
 
 from ..models import Task, TaskEvent
 
@@ -23,7 +24,8 @@ TASK_LIST_GROUP = "tasks"
 
 def append_event(task: Task, kind: str, payload: dict) -> TaskEvent:
     """Append one event to `task`'s log in the current transaction."""
-    Task.objects.filter(pk=task.pk).update(event_seq=F("event_seq") + 1)
+    # updated_at moves too: the web process's tailer finds changed tasks by it.
+    Task.objects.filter(pk=task.pk).update(event_seq=F("event_seq") + 1, updated_at=timezone.now())
     task.event_seq = Task.objects.values_list("event_seq", flat=True).get(pk=task.pk)
     return create_event(task, task.event_seq, kind, payload)
 

@@ -1,0 +1,152 @@
+"""Websockets: `/ws/tasks/` (the list) and `/ws/tasks/<id>/` (one task).
+
+Protocol (JSON):
+- on connect the server sends `{"type": "state", "seq": S, ...}` — the current state;
+- a client that saw events up to N sends `{"resume_from": N}` (or connects with
+  `?resume_from=N`) and receives every event with seq > N from the database, in order,
+  before live ones — no gap, no duplicate; a client too far behind gets `{"type": "reload"}`;
+- then `{"type": "event", "seq": n, "kind": ..., "payload": ...}` as they happen, with
+  `{"type": "state", ...}` refreshes (throttled) so tables follow along.
+Anonymous users and users without a role are refused; origins are checked in asgi.py.
+"""
+import asyncio
+import json
+import time
+from urllib.parse import parse_qs
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from . import live, roles
+from .engine.events import TASK_LIST_GROUP, task_group
+
+STATE_MIN_INTERVAL = 0.25  # seconds between full state refreshes per connection
+RESUME_WAIT = 0.5  # how long to wait for a `resume_from` message before streaming
+
+
+class RoleRequiredConsumer(AsyncJsonWebsocketConsumer):
+    async def connect(self):
+        user = self.scope.get("user")
+        allowed = await database_sync_to_async(roles.has_role)(user, roles.VIEWER) if user else False
+        if not allowed:
+            await self.close(code=4403)  # before accept: the handshake is refused (HTTP 403)
+            return
+        live.tailer.ensure_running()
+        await self.start()
+
+    async def start(self):
+        raise NotImplementedError
+
+    @classmethod
+    async def encode_json(cls, content):
+        return json.dumps(content, default=str)
+
+
+class TaskConsumer(RoleRequiredConsumer):
+    async def start(self):
+        self.task_id = int(self.scope["url_route"]["kwargs"]["task_id"])
+        state = await database_sync_to_async(live.task_state)(self.task_id)
+        if state is None:
+            await self.close(code=4404)
+            return
+        self.group = task_group(self.task_id)
+        await self.channel_layer.group_add(self.group, self.channel_name)
+        await self.accept()
+        self.lock = asyncio.Lock()
+        self.last_state_at = 0.0
+        self.state_pending = False
+        query = parse_qs(self.scope.get("query_string", b"").decode())
+        self.last_sent = state["seq"]
+        self.streaming = False
+        await self.send_json({"type": "state", **state})
+        if "resume_from" in query:
+            await self.resume(int(query["resume_from"][0]))
+        else:
+            # Give a client the chance to send {"resume_from": N} before live events flow,
+            # so replayed and live events never interleave out of order.
+            self.start_timer = asyncio.get_running_loop().call_later(
+                RESUME_WAIT, lambda: asyncio.ensure_future(self.begin_streaming()))
+
+    async def disconnect(self, code):
+        if hasattr(self, "group"):
+            await self.channel_layer.group_discard(self.group, self.channel_name)
+        if getattr(self, "start_timer", None):
+            self.start_timer.cancel()
+
+    async def receive_json(self, content, **kwargs):
+        if isinstance(content, dict) and "resume_from" in content:
+            try:
+                await self.resume(int(content["resume_from"]))
+            except (TypeError, ValueError):
+                await self.send_json({"type": "error", "message": "resume_from must be an integer seq"})
+
+    async def resume(self, seq: int):
+        if getattr(self, "start_timer", None):
+            self.start_timer.cancel()
+        async with self.lock:
+            if self.streaming and seq >= self.last_sent:
+                return
+            if self.last_sent - seq > live.MAX_REPLAY or (not self.streaming and seq > self.last_sent):
+                # Too far behind to replay, or ahead of the log (the client's view is not
+                # this task's history): the client must reload its state.
+                await self.send_json({"type": "reload", "reason": "cannot resume from seq %d" % seq})
+                await self.close()
+                return
+            if not self.streaming:
+                self.last_sent = max(0, seq)
+        await self.begin_streaming()
+
+    async def begin_streaming(self):
+        self.streaming = True
+        await self.flush()
+
+    async def flush(self):
+        """Send every event after the last one sent, from the database, in order."""
+        if not self.streaming:
+            return
+        async with self.lock:
+            events = await database_sync_to_async(live.events_after)(self.task_id, self.last_sent)
+            for event in events:
+                await self.send_json(event)
+                self.last_sent = event["seq"]
+        if events:
+            await self.refresh_state()
+
+    async def refresh_state(self):
+        """A full state refresh, at most every STATE_MIN_INTERVAL seconds."""
+        wait = STATE_MIN_INTERVAL - (time.monotonic() - self.last_state_at)
+        if wait > 0:
+            if not self.state_pending:
+                self.state_pending = True
+                asyncio.get_running_loop().call_later(wait, lambda: asyncio.ensure_future(self.send_state()))
+            return
+        await self.send_state()
+
+    async def send_state(self):
+        self.state_pending = False
+        self.last_state_at = time.monotonic()
+        state = await database_sync_to_async(live.task_state)(self.task_id)
+        if state is not None:
+            await self.send_json({"type": "state", **state})
+
+    async def task_changed(self, message):
+        if message["seq"] > self.last_sent:
+            await self.flush()
+
+
+class TaskListConsumer(RoleRequiredConsumer):
+    async def start(self):
+        await self.channel_layer.group_add(TASK_LIST_GROUP, self.channel_name)
+        await self.accept()
+        tasks = await database_sync_to_async(live.recent_summaries)()
+        await self.send_json({"type": "state", "tasks": tasks})
+
+    async def disconnect(self, code):
+        await self.channel_layer.group_discard(TASK_LIST_GROUP, self.channel_name)
+
+    async def task_changed(self, message):
+        await self.send_json({"type": "task", "id": message["task_id"], "seq": message["seq"],
+                              "status": message["status"], "steps_done": message["steps_done"],
+                              "steps_total": message["steps_total"],
+                              "progress_percent": int(100 * message["steps_done"] / message["steps_total"])
+                              if message["steps_total"] else (100 if message["status"] == "completed" else 0)})

@@ -1,0 +1,137 @@
+"""Live progress for websocket clients: what to send, and how a web process learns that
+a task changed.
+
+Workers run in other processes. Two ways a change reaches the web process:
+- with REDIS_URL, workers publish a hint through channels-redis right after commit;
+- always, a tailer in each web process polls the database for tasks whose `updated_at`
+  moved (every ORCH_LIVE_POLL_SECONDS: 0.1 s embedded, 1 s as a safety net with Redis,
+  where a group over capacity drops messages).
+Hints only say "task N has events up to seq S"; consumers read the events themselves from
+the database by seq, so a lost or repeated hint never loses or repeats an event.
+"""
+import asyncio
+import logging
+from datetime import timedelta
+
+from channels.db import database_sync_to_async
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.db import close_old_connections
+from django.utils import timezone
+
+from .engine.events import TASK_LIST_GROUP, task_group
+from .models import Step, Task, TaskEvent, WalEntry
+
+log = logging.getLogger(__name__)
+
+# A commit is stamped (updated_at) before it becomes visible; look back this far so a
+# slow commit is not missed. Repeats are harmless: hints are compared by seq.
+LOOKBACK = timedelta(seconds=5)
+MAX_REPLAY = 5000  # a client further behind than this is told to reload
+
+
+def poll_interval() -> float:
+    default = 1.0 if settings.REDIS_URL else 0.1
+    return float(getattr(settings, "ORCH_LIVE_POLL_SECONDS", default))
+
+
+# --- what is sent ---------------------------------------------------------------------------
+
+def iso(value):
+    return value.isoformat() if value else None
+
+
+def task_summary(task: Task) -> dict:
+    return {"id": task.pk, "task_type": task.type, "title": task.title, "status": task.status,
+            "status_reason": task.status_reason, "steps_done": task.steps_done, "steps_total": task.steps_total,
+            "progress_percent": task.progress_percent, "seq": task.event_seq, "updated_at": iso(task.updated_at)}
+
+
+def task_state(task_id: int) -> dict | None:
+    """Everything the task page shows that changes while a task runs."""
+    task = Task.objects.filter(pk=task_id).first()
+    if task is None:
+        return None
+    steps = [{"id": s.step_id, "title": s.title, "status": s.status, "attempts": s.attempts,
+              "started_at": iso(s.started_at), "finished_at": iso(s.finished_at),
+              "duration_seconds": s.duration_seconds, "error": s.error[:500]}
+             for s in Step.objects.filter(task_id=task_id).order_by("position")]
+    wal = [{"id": w.pk, "step_id": w.step_id, "tool": w.tool, "idempotency_key": w.idempotency_key,
+            "status": w.status, "created_at": iso(w.created_at), "completed_at": iso(w.completed_at),
+            "error": w.error[:300]}
+           for w in WalEntry.objects.filter(task_id=task_id).order_by("-id")[:500]]
+    heartbeat_age = (timezone.now() - task.heartbeat_at).total_seconds() if task.heartbeat_at else None
+    return {**task_summary(task), "checkpoint_version": task.checkpoint_version,
+            "tokens_used": task.tokens_used, "active_seconds": round(task.active_seconds, 1),
+            "recovery_attempts": task.recovery_attempts, "control": task.control,
+            "worker": {"host": task.worker_host, "pid": task.worker_pid} if task.lease_owner else None,
+            "heartbeat_age": round(heartbeat_age, 1) if heartbeat_age is not None else None,
+            "steps": steps, "wal": wal}
+
+
+def event_json(event: TaskEvent) -> dict:
+    return {"type": "event", "seq": event.seq, "kind": event.kind, "payload": event.payload,
+            "created_at": iso(event.created_at)}
+
+
+def events_after(task_id: int, seq: int, limit: int = MAX_REPLAY) -> list[dict]:
+    return [event_json(e) for e in TaskEvent.objects.filter(task_id=task_id, seq__gt=seq).order_by("seq")[:limit]]
+
+
+def recent_summaries(limit: int = 50, before: int | None = None) -> list[dict]:
+    qs = Task.objects.order_by("-id")
+    if before:
+        qs = qs.filter(pk__lt=before)
+    return [task_summary(t) for t in qs[:limit]]
+
+
+# --- the tailer -------------------------------------------------------------------------------
+
+def changed_tasks(since) -> list[dict]:
+    close_old_connections()
+    return list(Task.objects.filter(updated_at__gte=since)
+                .values("id", "event_seq", "status", "steps_done", "steps_total"))
+
+
+class EventTailer:
+    """One per web process: turns database changes into channel-layer hints."""
+
+    def __init__(self):
+        self.known: dict[int, int] = {}
+        self.task: asyncio.Task | None = None
+
+    def ensure_running(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.task is None or self.task.done() or self.task.get_loop() is not loop:
+            self.known = {}
+            self.task = loop.create_task(self.run())
+
+    async def run(self) -> None:
+        layer = get_channel_layer()
+        # Tasks already changed before we started are not news.
+        since = timezone.now() - LOOKBACK
+        for row in await database_sync_to_async(changed_tasks)(since):
+            self.known[row["id"]] = row["event_seq"]
+        while True:
+            await asyncio.sleep(poll_interval())
+            try:
+                poll_started = timezone.now()
+                rows = await database_sync_to_async(changed_tasks)(since)
+                since = poll_started - LOOKBACK
+                for row in rows:
+                    if row["event_seq"] > self.known.get(row["id"], -1):
+                        self.known[row["id"]] = row["event_seq"]
+                        message = {"type": "task.changed", "task_id": row["id"], "seq": row["event_seq"],
+                                   "status": row["status"], "steps_done": row["steps_done"],
+                                   "steps_total": row["steps_total"]}
+                        await layer.group_send(task_group(row["id"]), message)
+                        await layer.group_send(TASK_LIST_GROUP, message)
+                if len(self.known) > 10_000:
+                    self.known = {k: v for k, v in self.known.items() if k in {r["id"] for r in rows}}
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the database may blip; the next poll catches up
+                log.warning("live tailer poll failed", exc_info=True)
+
+
+tailer = EventTailer()
