@@ -9,6 +9,7 @@ class ChainParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     steps: int = Field(200, ge=1)
     effect: bool = False
+    sleep_ms: int = Field(0, ge=0, description="work time per step (the live-latency bench spaces commits)")
 
 
 @register
@@ -24,6 +25,8 @@ class Chain(TaskType):
 
     def run_step(self, ctx, step_id):
         index = int(step_id[1:])
+        if ctx.params.sleep_ms:
+            ctx.sleep(ctx.params.sleep_ms / 1000)
         if ctx.params.effect:
             ctx.effect("db.upsert", {"table": "demo_destination", "columns": ["id", "amount"],
                                      "rows": [[10_000_000 + index, "1.0000"]]})
