@@ -20,7 +20,7 @@ from django.core.management import call_command  # noqa: E402
 from django.test import Client  # noqa: E402
 
 from orchestrator.engine import services  # noqa: E402
-from orchestrator.engine.worker import drive_task  # noqa: E402
+from orchestrator.engine.worker import drive_inline  # noqa: E402
 
 STEPS = int(os.environ.get("BENCH_STEPS", "150"))
 SLEEP_MS = int(os.environ.get("BENCH_STEP_MS", "40"))
@@ -34,4 +34,4 @@ if sys.argv[1] == "setup":
                                 limits={"max_subtasks": 1})
     print(json.dumps({"task_id": task.pk, "seq": task.event_seq, "session": client.cookies["sessionid"].value}))
 else:
-    print(drive_task(int(sys.argv[2])), file=sys.stderr)
+    print(drive_inline(int(sys.argv[2])), file=sys.stderr)

@@ -33,7 +33,7 @@ from django.db import connection  # noqa: E402
 from django.db.backends.base.base import BaseDatabaseWrapper  # noqa: E402
 
 from orchestrator.engine import services  # noqa: E402
-from orchestrator.engine.worker import drive_task  # noqa: E402
+from orchestrator.engine.worker import drive_inline  # noqa: E402
 from orchestrator.models import Snapshot, Step, TaskEvent, WalEntry, IdempotencyRecord  # noqa: E402
 
 commits = 0
@@ -66,7 +66,7 @@ def run(steps: int, effect: bool) -> dict:
     start = time.perf_counter()
     BaseDatabaseWrapper.commit = counting_commit
     try:
-        outcome = drive_task(task.pk)
+        outcome = drive_inline(task.pk)
     finally:
         BaseDatabaseWrapper.commit = _original_commit
     elapsed = time.perf_counter() - start

@@ -1,9 +1,16 @@
-"""The admin: a window on the durable state. The engine's services own the writes
-(orchestrator/engine/), so the admin shows the harness's records read-only; the WAL and
-the audit log can never be added to, changed or deleted here."""
+"""The admin: a window on the durable state for auditors. The engine's services own the
+writes (orchestrator/engine/), so the admin shows the harness's records read-only; the WAL
+and the audit log can never be added to, changed or deleted here — neither directly nor
+through a cascade (a task cannot be deleted here: that would delete its WAL and detach its
+audit entries).
+
+Every record links to its task and to the task's other records (steps, WAL, snapshots,
+events, audit); a changelist opened from such a link shows the task as an active filter."""
 from django.contrib import admin
+from django.contrib.admin.options import IncorrectLookupParameters
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
 
 from .models import (
     ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, Snapshot, Step,
@@ -15,9 +22,53 @@ admin.site.site_title = "Orchestrator admin"
 admin.site.index_title = "Records"
 
 
-def _changelist(model, task_id: int) -> str:
+TASK_PARAM = "task__id__exact"
+
+
+def _changelist(model, task_id: int, **extra) -> str:
     opts = model._meta
-    return reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist") + f"?task__id__exact={task_id}"
+    return (reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist") + "?"
+            + urlencode({TASK_PARAM: task_id, **extra}))
+
+
+def _change(obj) -> str:
+    opts = obj._meta
+    return reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[obj.pk])
+
+
+def task_records(task_id: int | None):
+    """Links to every kind of record of one task, with how many there are."""
+    if not task_id:
+        return "—"
+    links = [("Task #%s" % task_id, reverse("admin:orchestrator_task_change", args=[task_id]))]
+    for model in TASK_RECORD_MODELS:
+        count = model.objects.filter(task_id=task_id).count()
+        links.append((f"{model._meta.verbose_name_plural.capitalize()} ({count})", _changelist(model, task_id)))
+    links.append(("Task page", reverse("task_detail", args=[task_id])))
+    return format_html_join(" · ", '<a href="{1}">{0}</a>', links)
+
+
+class TaskFilter(admin.SimpleListFilter):
+    """The task a changelist is narrowed to (the links from a task use it); shown only
+    while one is chosen, so that a list of thousands of tasks is never rendered."""
+
+    title = "task"
+    parameter_name = TASK_PARAM
+
+    def lookups(self, request, model_admin):
+        value = self.value()
+        if value is None:
+            return []
+        # The admin drops a filter without choices *and* its parameter, which would list
+        # every task's records as if they were this one's: refuse a bad id instead.
+        if not str(value).isdigit():
+            raise IncorrectLookupParameters(f"not a task id: {value!r}")
+        task = Task.objects.filter(pk=value).only("id", "type", "status").first()
+        return [(str(value), str(task) if task else f"#{value} (deleted)")]
+
+    def queryset(self, request, queryset):
+        value = self.value()
+        return queryset if value is None else queryset.filter(task_id=int(value))
 
 
 def task_link(obj):
@@ -32,7 +83,9 @@ task_link.admin_order_field = "task"
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
-    """Viewing only: the engine writes these rows."""
+    """Viewing only: the engine writes these rows, and removing one would corrupt a task's
+    durable state (a step, a snapshot, an idempotency record that prevents a second
+    side effect), so they cannot be deleted here either."""
 
     def has_add_permission(self, request, obj=None):
         return False
@@ -40,9 +93,29 @@ class ReadOnlyAdmin(admin.ModelAdmin):
     def has_change_permission(self, request, obj=None):
         return False
 
+    def has_delete_permission(self, request, obj=None):
+        return False
 
-class AppendOnlyAdmin(ReadOnlyAdmin):
-    """Records that are never rewritten or removed (the WAL, the audit log)."""
+
+class TaskRecordAdmin(ReadOnlyAdmin):
+    """A record that belongs to a task: filterable by task, linked to the task's others."""
+
+    readonly_fields = ("records",)
+
+    @admin.display(description="task records")
+    def records(self, obj):
+        return task_records(obj.task_id)
+
+
+class AppendOnlyAdmin(TaskRecordAdmin):
+    """Records that are never rewritten or removed (the WAL, the audit log, the progress
+    log), whatever ReadOnlyAdmin allows; not even a superuser may."""
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
 
     def has_delete_permission(self, request, obj=None):
         return False
@@ -72,8 +145,9 @@ class TaskAdmin(admin.ModelAdmin):
     list_display = ("id", "type", "title", "status", "progress", "recovery_attempts", "worker", "created_by",
                     "created_at", "updated_at")
     list_display_links = ("id", "type")
-    list_filter = ("status", "type", "created_at")
-    search_fields = ("=id", "title", "type", "status_reason")
+    list_filter = ("status", "type", "control", "created_at", "finished_at",
+                   ("created_by", admin.RelatedOnlyFieldListFilter))
+    search_fields = ("=id", "title", "type", "status_reason", "error", "created_by__username")
     date_hierarchy = "created_at"
     list_select_related = ("created_by",)
     inlines = [StepInline]
@@ -97,6 +171,11 @@ class TaskAdmin(admin.ModelAdmin):
     def has_add_permission(self, request):
         return False  # tasks are created through the New task page, the API or the CLI
 
+    def has_delete_permission(self, request, obj=None):
+        # Deleting a task would cascade to its WAL, steps, snapshots and events and detach
+        # its audit entries: the history an auditor relies on. Stop or terminate it instead.
+        return False
+
     @admin.display(description="progress")
     def progress(self, obj):
         return f"{obj.steps_done}/{obj.steps_total} ({obj.progress_percent}%)"
@@ -113,21 +192,24 @@ class TaskAdmin(admin.ModelAdmin):
 
     @admin.display(description="records")
     def related(self, obj):
-        if not obj.pk:
-            return "—"
-        links = [(m._meta.verbose_name_plural.capitalize(), _changelist(m, obj.pk))
-                 for m in (Step, WalEntry, Snapshot, TaskEvent, AuditEntry)]
-        return format_html_join(" · ", '<a href="{1}">{0}</a>', links)
+        return task_records(obj.pk)
 
 
 @admin.register(Step)
-class StepAdmin(ReadOnlyAdmin):
+class StepAdmin(TaskRecordAdmin):
     list_display = ("id", task_link, "position", "step_id", "title", "status", "attempts", "started_at",
                     "finished_at", "duration")
-    list_filter = ("status",)
+    list_filter = (TaskFilter, "status", "started_at", "finished_at")
     search_fields = ("=task__id", "step_id", "title", "error")
     date_hierarchy = "started_at"
     list_select_related = ("task",)
+    readonly_fields = ("records", "wal")
+
+    @admin.display(description="WAL entries of this step")
+    def wal(self, obj):
+        count = WalEntry.objects.filter(task_id=obj.task_id, step_id=obj.step_id).count()
+        return format_html('<a href="{}">{} WAL entr{}</a>', _changelist(WalEntry, obj.task_id, step_id=obj.step_id),
+                           count, "y" if count == 1 else "ies")
 
     @admin.display(description="duration (s)")
     def duration(self, obj):
@@ -139,15 +221,31 @@ class StepAdmin(ReadOnlyAdmin):
 class WalEntryAdmin(AppendOnlyAdmin):
     list_display = ("id", task_link, "step_id", "call_index", "tool", "idempotency_key", "idempotent", "status",
                     "worker", "created_at", "completed_at")
-    list_filter = ("status", "idempotent", "tool")
+    list_filter = (TaskFilter, "status", "idempotent", "tool", "created_at")
     search_fields = ("=task__id", "idempotency_key", "step_id", "tool", "error")
     date_hierarchy = "created_at"
     list_select_related = ("task",)
+    readonly_fields = ("records", "step_link", "idempotency_record")
+
+    @admin.display(description="step")
+    def step_link(self, obj):
+        step = Step.objects.filter(task_id=obj.task_id, step_id=obj.step_id).first()
+        if step is None:
+            return obj.step_id or "—"
+        return format_html('<a href="{}">{}</a>', _change(step), step)
+
+    @admin.display(description="idempotency record")
+    def idempotency_record(self, obj):
+        record = IdempotencyRecord.objects.filter(key=obj.idempotency_key).first()
+        if record is None:
+            return "—"
+        return format_html('<a href="{}">{}</a>', _change(record), record)
 
 
 @admin.register(Snapshot)
-class SnapshotAdmin(ReadOnlyAdmin):
+class SnapshotAdmin(TaskRecordAdmin):
     list_display = ("id", task_link, "version", "step_id", "created_at")
+    list_filter = (TaskFilter, "created_at")
     search_fields = ("=task__id", "step_id")
     date_hierarchy = "created_at"
     list_select_related = ("task",)
@@ -156,7 +254,7 @@ class SnapshotAdmin(ReadOnlyAdmin):
 @admin.register(TaskEvent)
 class TaskEventAdmin(AppendOnlyAdmin):
     list_display = ("id", task_link, "seq", "kind", "short_payload", "created_at")
-    list_filter = ("kind",)
+    list_filter = (TaskFilter, "kind", "created_at")
     search_fields = ("=task__id", "kind")
     date_hierarchy = "created_at"
     list_select_related = ("task",)
@@ -170,16 +268,25 @@ class TaskEventAdmin(AppendOnlyAdmin):
 @admin.register(IdempotencyRecord)
 class IdempotencyRecordAdmin(ReadOnlyAdmin):
     list_display = ("key", "tool", "created_at")
-    list_filter = ("tool",)
+    list_filter = ("tool", "created_at")
     search_fields = ("key", "tool")
     date_hierarchy = "created_at"
+    readonly_fields = ("wal_entry",)
+
+    @admin.display(description="WAL entry")
+    def wal_entry(self, obj):
+        entry = WalEntry.objects.filter(idempotency_key=obj.key).first()
+        if entry is None:
+            return "—"
+        return format_html('<a href="{}">{}</a> of task <a href="{}">#{}</a>', _change(entry), entry,
+                           reverse("admin:orchestrator_task_change", args=[entry.task_id]), entry.task_id)
 
 
 @admin.register(AuditEntry)
 class AuditEntryAdmin(AppendOnlyAdmin):
     list_display = ("at", "actor_name", "action", task_link, "ip", "reason")
-    list_filter = ("action",)
-    search_fields = ("=task__id", "actor_name", "action", "reason")
+    list_filter = (TaskFilter, "action", "at", ("actor", admin.RelatedOnlyFieldListFilter))
+    search_fields = ("=task__id", "actor_name", "action", "reason", "ip")
     date_hierarchy = "at"
     list_select_related = ("task",)
 
@@ -191,6 +298,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
 
     list_display = ("prefix_display", "user", "created_at", "last_used_at")
     search_fields = ("prefix", "user__username")
+    list_filter = ("created_at", "last_used_at")
     list_select_related = ("user",)
     date_hierarchy = "created_at"
     fields = ("user", "prefix_display", "created_at", "last_used_at")
@@ -224,4 +332,9 @@ class DemoDestinationAdmin(admin.ModelAdmin):
 @admin.register(DemoContractExtraction)
 class DemoContractExtractionAdmin(admin.ModelAdmin):
     list_display = ("contract", task_link, "parties", "dates", "amounts")
-    search_fields = ("contract",)
+    list_filter = (TaskFilter,)
+    search_fields = ("contract", "=task__id")
+
+
+# Every kind of record a task has, in the order the links show them.
+TASK_RECORD_MODELS = (Step, WalEntry, Snapshot, TaskEvent, AuditEntry)

@@ -37,15 +37,19 @@ class HarnessSettings:
     @property
     def default_limits(self) -> dict:
         return {
-            "max_steps": getattr(settings, "ORCH_DEFAULT_MAX_STEPS", 10_000),
-            "max_tokens": getattr(settings, "ORCH_DEFAULT_MAX_TOKENS", 1_000_000),
-            "max_seconds": getattr(settings, "ORCH_DEFAULT_MAX_SECONDS", 24 * 3600),
-            "max_subtasks": getattr(settings, "ORCH_DEFAULT_MAX_SUBTASKS", 4),
+            "max_steps": settings.ORCH_DEFAULT_MAX_STEPS,
+            "max_tokens": settings.ORCH_DEFAULT_MAX_TOKENS,
+            "max_seconds": settings.ORCH_DEFAULT_MAX_SECONDS,
+            "max_subtasks": settings.ORCH_DEFAULT_MAX_SUBTASKS,
         }
 
     @property
     def step_max_attempts(self) -> int:
         return getattr(settings, "ORCH_STEP_MAX_ATTEMPTS", 3)
+
+    @property
+    def isolate_execution(self) -> bool:
+        return settings.ORCH_ISOLATE_EXECUTION
 
     @property
     def extra_task_type_modules(self) -> list[str]:

@@ -51,6 +51,10 @@ class Task(models.Model):
     # Operator requests the runner polls while it runs (pause/stop/terminate).
     control = models.CharField(max_length=20, blank=True)
     control_requested_at = models.DateTimeField(null=True, blank=True)
+    control_acknowledged_at = models.DateTimeField(null=True, blank=True)
+    # While a Stop/Pause/Terminate winds down: what is still running (steps, subtasks,
+    # subprocesses, requests, streams) and since when. Empty when nothing is.
+    activities = models.JSONField(default=list, blank=True)
 
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                                    related_name="tasks")

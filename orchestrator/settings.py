@@ -173,3 +173,14 @@ ORCH_GRACE_SECONDS = float(os.environ.get("ORCH_GRACE_SECONDS", "5"))
 ORCH_SNAPSHOT_KEEP = int(os.environ.get("ORCH_SNAPSHOT_KEEP", "10"))
 ORCH_MAX_RECOVERY_ATTEMPTS = int(os.environ.get("ORCH_MAX_RECOVERY_ATTEMPTS", "3"))
 ORCH_SLICE_SECONDS = float(os.environ.get("ORCH_SLICE_SECONDS", "60"))
+# Limits every task gets unless its creator overrides them.
+ORCH_DEFAULT_MAX_STEPS = int(os.environ.get("ORCH_DEFAULT_MAX_STEPS", "100000"))
+ORCH_DEFAULT_MAX_TOKENS = int(os.environ.get("ORCH_DEFAULT_MAX_TOKENS", "10000000"))
+ORCH_DEFAULT_MAX_SECONDS = float(os.environ.get("ORCH_DEFAULT_MAX_SECONDS", str(24 * 3600)))
+ORCH_DEFAULT_MAX_SUBTASKS = int(os.environ.get("ORCH_DEFAULT_MAX_SUBTASKS", "4"))
+# Run each task's steps in a child process group that Force-terminate can kill outright.
+ORCH_ISOLATE_EXECUTION = env_bool("ORCH_ISOLATE_EXECUTION", True)
+# Extra task type modules (comma-separated), e.g. for tests or plug-ins.
+ORCH_EXTRA_TASK_TYPES = [m.strip() for m in os.environ.get("ORCH_EXTRA_TASK_TYPES", "").split(",") if m.strip()]
+if "ORCH_LIVE_POLL_SECONDS" in os.environ:
+    ORCH_LIVE_POLL_SECONDS = float(os.environ["ORCH_LIVE_POLL_SECONDS"])

@@ -4,9 +4,11 @@ A task run has a root token; each step and subtask gets a child. Cancelling a to
 cancels every descendant; helpers (subprocess, HTTP, streams) register callbacks that
 abort their work as soon as the token is cancelled.
 """
+import itertools
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 
 
 class Cancelled(Exception):
@@ -27,6 +29,13 @@ class CancellationToken:
         self._lock = threading.Lock()
         self._children: list[CancellationToken] = []
         self._callbacks: list[Callable[[str], None]] = []
+        # What runs under this tree now (steps, subtasks, subprocesses, requests,
+        # streams); kept on the root so the runner can show what is still winding down.
+        self.root: CancellationToken = parent.root if parent else self
+        if parent is None:
+            self._activities: dict[int, dict] = {}
+            self._activity_ids = itertools.count(1)
+            self.activities_version = 0
 
     def child(self, name: str) -> "CancellationToken":
         token = CancellationToken(name, parent=self)
@@ -76,6 +85,27 @@ class CancellationToken:
         with self._lock:
             if callback in self._callbacks:
                 self._callbacks.remove(callback)
+
+    @contextmanager
+    def track(self, kind: str, label: str):
+        """Register a running activity (kind: step, subtask, subprocess, http, llm)."""
+        root = self.root
+        with root._lock:
+            activity_id = next(root._activity_ids)
+            root._activities[activity_id] = {"kind": kind, "label": label[:200], "since": time.time(),
+                                             "token": self.name}
+            root.activities_version += 1
+        try:
+            yield
+        finally:
+            with root._lock:
+                root._activities.pop(activity_id, None)
+                root.activities_version += 1
+
+    def activities(self) -> list[dict]:
+        root = self.root
+        with root._lock:
+            return [dict(a) for a in root._activities.values()]
 
     def raise_if_cancelled(self) -> None:
         if self._event.is_set():

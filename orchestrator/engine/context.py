@@ -3,15 +3,27 @@ cancellation token, effect() through the WAL, and helpers that obey the token.""
 import logging
 import subprocess
 import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 from django.db import transaction
 from pydantic import BaseModel
 
+from ..tools.http import http_call
+from ..tools.llm import stream_completion
 from ..tools.shell import run_in_group
 from . import wal
 from .cancellation import CancellationToken
 from .lease import Lease
+
+
+class LimitExceeded(Exception):
+    """A task limit ran out inside a step: the task pauses with this reason, keeping its work."""
+
+    def __init__(self, limit: str):
+        super().__init__(f"limit: {limit}")
+        self.limit = limit
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +67,7 @@ class StepContext:
         self._runner = runner
         self._call_index = 0
         self._lock = threading.Lock()
+        self._subtasks: list[tuple[CancellationToken, Future]] = []
 
     def effect(self, tool: str, args: dict) -> Any:
         """Perform a side effect through the WAL; returns the tool's result."""
@@ -70,6 +83,14 @@ class StepContext:
         """A subprocess for pure computation (no side effect), killed with its group on cancel."""
         return run_in_group(argv, token=self.token, cwd=cwd, env=env, timeout=timeout)
 
+    def http(self, method: str, url: str, **args) -> dict:
+        """A read-only HTTP request (no side effect); aborted when the token is cancelled."""
+        return http_call({"method": method, "url": url, **args}, token=self.token)
+
+    def llm_stream(self, url: str, payload: dict, timeout: float = 60) -> Iterator[str]:
+        """Stream an LLM completion chunk by chunk; each chunk counts against max_tokens."""
+        return stream_completion(url, payload, token=self.token, on_token=self.use_tokens, timeout=timeout)
+
     def sleep(self, seconds: float) -> None:
         """Wait, waking at once when cancelled."""
         if self.token.wait(seconds):
@@ -77,7 +98,46 @@ class StepContext:
 
     def use_tokens(self, count: int) -> None:
         """Account LLM tokens against the task's max_tokens limit."""
-        self.tokens_used += count
+        with self._lock:
+            self.tokens_used += count
+
+    def spawn(self, fn: Callable[["SubtaskContext"], Any], *, name: str = "") -> Future:
+        """Run `fn(subtask_ctx)` concurrently under a child token (cancelled with the step).
+
+        Counts against the task's max_subtasks: one more than allowed raises LimitExceeded,
+        which pauses the task. The step must wait for its subtasks' results; any still
+        running when the step ends are cancelled.
+        """
+        name = name or f"{self.step_id}/sub-{len(self._subtasks) + 1}"
+        if self._runner is not None:
+            self._runner.reserve_subtask()
+        token = self.token.child(name)
+        future: Future = Future()
+        sub = SubtaskContext(self, token)
+
+        def run():
+            try:
+                with token.track("subtask", name):
+                    future.set_result(fn(sub))
+            except BaseException as exc:  # delivered to whoever waits on the future
+                future.set_exception(exc)
+            finally:
+                if self._runner is not None:
+                    self._runner.release_subtask()
+                from django.db import connection
+
+                connection.close()
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        self._subtasks.append((token, future))
+        thread.start()
+        return future
+
+    def close(self) -> None:
+        """Structured concurrency: subtasks do not outlive their step."""
+        for token, future in self._subtasks:
+            if not future.done():
+                token.cancel("step ended")
 
     def progress(self, message: str, **data) -> None:
         """Append a progress event to the task's log (committed at once, shown live)."""
@@ -87,3 +147,27 @@ class StepContext:
         with transaction.atomic():
             task = lock_fenced(self.lease)
             append_event(task, "progress", {"step": self.step_id, "message": message, **data})
+
+
+class SubtaskContext:
+    """What a spawned subtask gets: its own token and the helpers that obey it. Side
+    effects stay in the step (their idempotency keys must be deterministic)."""
+
+    def __init__(self, parent: StepContext, token: CancellationToken):
+        self.parent = parent
+        self.token = token
+        self.params = parent.params
+        self.deps = parent.deps
+
+    def run_subprocess(self, argv, **kwargs):
+        return run_in_group(argv, token=self.token, **kwargs)
+
+    def http(self, method: str, url: str, **args) -> dict:
+        return http_call({"method": method, "url": url, **args}, token=self.token)
+
+    def llm_stream(self, url: str, payload: dict, timeout: float = 60):
+        return stream_completion(url, payload, token=self.token, on_token=self.parent.use_tokens, timeout=timeout)
+
+    def sleep(self, seconds: float) -> None:
+        if self.token.wait(seconds):
+            self.token.raise_if_cancelled()

@@ -3,6 +3,8 @@
 `ORCH_FAULTS="after_effect:raise,before_checkpoint:kill"` makes `fault_point("after_effect")`
 raise InjectedFault and `fault_point("before_checkpoint")` SIGKILL its own process.
 An optional `@step_id` narrows a point to one step: `after_effect@send-2:kill`.
+`kill-once` / `raise-once` fire in the first process that reaches the point only (a marker
+file under ORCH_VAR_DIR/faults records it), so a recovered task can go on.
 Unset in production; reading one environment variable costs nothing on the hot path.
 """
 import os
@@ -29,8 +31,25 @@ def fault_point(name: str, step_id: str = "") -> None:
     faults = _configured()
     if not faults:
         return
-    action = faults.get(f"{name}@{step_id}") or faults.get(name)
+    point = f"{name}@{step_id}" if f"{name}@{step_id}" in faults else name
+    action = faults.get(point)
+    if action and action.endswith("-once"):
+        if not _first_time(point):
+            return
+        action = action[:-len("-once")]
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "raise":
         raise InjectedFault(f"injected fault at {name}")
+
+
+def _first_time(point: str) -> bool:
+    from django.conf import settings
+
+    directory = os.path.join(settings.VAR_DIR, "faults")
+    os.makedirs(directory, exist_ok=True)
+    try:
+        os.close(os.open(os.path.join(directory, point.replace("/", "_")), os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False

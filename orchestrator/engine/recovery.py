@@ -37,15 +37,21 @@ def sweep() -> list[int]:
     return recovered
 
 
-def recover_task(task_id: int) -> bool:
-    cutoff = timezone.now() - timedelta(seconds=harness.stale_after_seconds)
+def recover_task(task_id: int, *, dead_lease=None, cause: str = "") -> bool:
+    """Recover one task whose worker is gone: found stale by a sweeper, or reported dead
+    (`dead_lease`) by the worker that watched its executor die."""
+    candidates = Task.objects.select_for_update(skip_locked=True).filter(pk=task_id, status__in=SWEEPABLE)
+    if dead_lease is not None:
+        candidates = candidates.filter(lease_epoch=dead_lease.epoch)
+    else:
+        candidates = candidates.filter(heartbeat_at__lt=timezone.now() - timedelta(seconds=harness.stale_after_seconds))
     with transaction.atomic():
-        task = Task.objects.select_for_update(skip_locked=True).filter(
-            pk=task_id, status__in=SWEEPABLE, heartbeat_at__lt=cutoff).first()
+        task = candidates.first()
         if task is None:
             return False  # recovered by another sweeper, or alive after all
         attempt = task.recovery_attempts + 1
         dead_worker = task.lease_owner
+        cause = cause or f"heartbeat of {dead_worker or 'its worker'} older than {harness.stale_after_seconds:g} s"
         extra = {"task_id": task.pk, "checkpoint_version": task.checkpoint_version, "event_id": task.event_seq,
                  "recovery_attempt": attempt, "lease_epoch": task.lease_epoch}
         if attempt > harness.max_recovery_attempts:
@@ -58,7 +64,7 @@ def recover_task(task_id: int) -> bool:
         if target or task.control == "terminate":
             target = S.TERMINATED if task.control == "terminate" else target
             states.transition(task, target, reason=f"worker {dead_worker} died; {task.control} completed by recovery",
-                              action="recovery", lease_owner="", control="")
+                              action="recovery", lease_owner="", control="", activities=[])
             log.info("recovery: settled operator request", extra={**extra, "resume_strategy": target})
             return True
         # Keep status `running` (the claim CAS accepts stale heartbeats); bump the epoch
@@ -68,7 +74,7 @@ def recover_task(task_id: int) -> bool:
         task.recovery_attempts = attempt
         from .events import append_event
 
-        append_event(task, "recovery", {"attempt": attempt, "dead_worker": dead_worker,
+        append_event(task, "recovery", {"attempt": attempt, "dead_worker": dead_worker, "cause": cause,
                                         "checkpoint_version": task.checkpoint_version})
         scheduler.enqueue(task.pk)
     log.info("recovery: re-queued from checkpoint", extra={**extra, "resume_strategy": "requeue_from_checkpoint"})

@@ -25,7 +25,7 @@ from ..models import StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
 from . import checkpoint, lease as leases, scheduler, states
 from .cancellation import CancellationToken, Cancelled
-from .context import StepContext
+from .context import LimitExceeded, StepContext
 from .lease import Lease, LeaseLost
 from .wal import AmbiguousEffect
 
@@ -63,12 +63,15 @@ def close_thread_connections(pool: ThreadPoolExecutor) -> None:
 
 
 class Supervisor(threading.Thread):
-    """Heartbeats the lease and relays operator requests to the runner."""
+    """Heartbeats the lease, relays operator requests to the runner (polled every
+    ~100 ms, so a Stop reaches a step without waiting for it to end), acknowledges them,
+    and while a request winds down publishes what is still running."""
 
     def __init__(self, runner: "Runner"):
         super().__init__(name=f"supervisor-task-{runner.lease.task_id}", daemon=True)
         self.runner = runner
         self._stopped = threading.Event()
+        self.published_activities = -1
 
     def run(self) -> None:
         lease = self.runner.lease
@@ -80,20 +83,42 @@ class Supervisor(threading.Thread):
                     if row is None or row["lease_epoch"] != lease.epoch or row["lease_owner"] != lease.owner:
                         self.runner.lose_lease()
                         return
-                    if row["control"]:
-                        self.runner.request(row["control"])
+                    if row["control"] and self.runner.request(row["control"]):
+                        acknowledge(lease, row["control"])
+                    if self.runner.control:
+                        self.publish_activities()
                     if time.monotonic() >= next_beat:
                         if not leases.heartbeat(lease):
                             self.runner.lose_lease()
                             return
                         next_beat = time.monotonic() + harness.heartbeat_seconds
+                except LeaseLost:
+                    self.runner.lose_lease()
+                    return
                 except DatabaseError:  # a passing database error must not kill the heartbeat
                     log.warning("supervisor: database error", exc_info=True, extra={"task_id": lease.task_id})
         finally:
             connection.close()
 
+    def publish_activities(self) -> None:
+        version = self.runner.token.activities_version
+        if version != self.published_activities:
+            self.runner.lease.fenced().update(activities=self.runner.token.activities())
+            self.published_activities = version
+
     def stop(self) -> None:
         self._stopped.set()
+
+
+def acknowledge(lease: Lease, control: str) -> None:
+    """Record that the runner saw an operator request (the Stop -> acknowledge latency)."""
+    from .events import append_event
+
+    with transaction.atomic():
+        task = leases.lock_fenced(lease)
+        task.control_acknowledged_at = timezone.now()
+        task.save(update_fields=["control_acknowledged_at"])
+        append_event(task, "control_acknowledged", {"control": control, "worker": lease.owner})
 
 
 class Runner:
@@ -107,15 +132,34 @@ class Runner:
         self.not_before: dict[str, float] = {}
         self.started = time.monotonic()
         self.accounted = self.started
+        self.control_seen_at = 0.0
+        self.escalated = False
+        self.limit_hit = ""
+        self._subtasks_lock = threading.Lock()
+        self.live_subtasks = 0
 
     # --- signals from the supervisor ------------------------------------------------
-    def request(self, control: str) -> None:
+    def request(self, control: str) -> bool:
+        """Take an operator request; True the first time it is seen."""
         if control == self.control:
-            return
+            return False
         self.control = control
-        log.info("operator request", extra={"task_id": self.lease.task_id, "worker": self.lease.owner})
+        self.control_seen_at = time.monotonic()
+        log.info("operator request: %s", control, extra={"task_id": self.lease.task_id, "worker": self.lease.owner})
         if control in ("stop", "terminate"):
             self.token.cancel(control)
+        return True
+
+    # --- subtasks -------------------------------------------------------------------------
+    def reserve_subtask(self) -> None:
+        with self._subtasks_lock:
+            if self.live_subtasks >= int(self.limits["max_subtasks"]):
+                raise LimitExceeded("max_subtasks")
+            self.live_subtasks += 1
+
+    def release_subtask(self) -> None:
+        with self._subtasks_lock:
+            self.live_subtasks -= 1
 
     def lose_lease(self) -> None:
         self.lease_lost = True
@@ -147,15 +191,26 @@ class Runner:
                         break
                     time.sleep(0.05)
                     continue
+                if self.grace_expired():
+                    # The steps ignored the cancellation for the whole grace period: stop
+                    # waiting for them (in an isolated executor, the worker kills the tree).
+                    self.escalated = True
+                    break
                 finished, _ = wait(in_flight, timeout=0.1, return_when=FIRST_COMPLETED)
                 for future in finished:
                     self.settle(future, in_flight.pop(future))
         finally:
             supervisor.stop()
-            if self.control != "terminate":
+            abandon = self.control == "terminate" or self.escalated
+            if not abandon:
                 close_thread_connections(pool)
-            pool.shutdown(wait=self.control != "terminate", cancel_futures=True)
+            pool.shutdown(wait=not abandon, cancel_futures=True)
         return self.finish()
+
+    def grace_expired(self) -> bool:
+        if self.control == "terminate":
+            return True
+        return self.control == "stop" and time.monotonic() - self.control_seen_at > harness.grace_seconds
 
     def halt_reason(self) -> str:
         if self.lease_lost:
@@ -171,6 +226,8 @@ class Runner:
         return ""
 
     def limit_reached(self) -> str:
+        if self.limit_hit:
+            return self.limit_hit
         if self.plan.done_count() >= int(self.limits["max_steps"]) and not self.all_done():
             return "max_steps"
         if self.base_tokens + self.tokens_this_run() >= int(self.limits["max_tokens"]):
@@ -206,7 +263,11 @@ class Runner:
 
     def execute(self, ctx: StepContext):
         close_old_connections()
-        return self.task_type.run_step(ctx, ctx.step_id)
+        try:
+            with ctx.token.track("step", ctx.step_id):
+                return self.task_type.run_step(ctx, ctx.step_id)
+        finally:
+            ctx.close()
 
     # --- outcomes of one step -------------------------------------------------------
     def settle(self, future: Future, flight: InFlight) -> None:
@@ -221,6 +282,12 @@ class Runner:
         except Cancelled:
             if ctx.completed_effects and not self.lease_lost:
                 self.record_failure(flight, "cancelled", retrying=True)
+            return
+        except LimitExceeded as exc:
+            # Not the step's fault: it runs again after the limit is raised and the task resumed.
+            self.limit_hit = exc.limit
+            if ctx.completed_effects:
+                self.record_failure(flight, str(exc), retrying=True)
             return
         except AmbiguousEffect as exc:
             log.warning("ambiguous effect: waiting for review", extra={**extra, "event_id": exc.entry.pk})
@@ -286,9 +353,13 @@ class Runner:
 
     def decide(self, task: Task) -> str:
         """Write the run's outcome; runs in the finishing transaction with the row locked."""
-        released = {"lease_owner": "", "control": ""}
+        released = {"lease_owner": "", "control": "", "activities": []}
         if self.control == "terminate":
             states.transition(task, S.TERMINATED, reason="force-terminated by an operator", **released)
+            return S.TERMINATED
+        if self.escalated:
+            states.transition(task, S.TERMINATED, reason=f"stop escalated to force-terminate: steps ignored "
+                              f"cancellation for {harness.grace_seconds:g} s", **released)
             return S.TERMINATED
         if self.control == "stop":
             states.transition(task, S.STOPPED, reason="stopped by an operator", **released)

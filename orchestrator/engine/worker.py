@@ -3,6 +3,7 @@ import logging
 
 from django.db import close_old_connections
 
+from ..conf import harness
 from .lease import claim
 from .runner import Runner
 
@@ -16,4 +17,14 @@ def drive_task(task_id: int) -> str:
         # Another worker holds a live lease, or the task is no longer runnable: a
         # duplicate delivery is harmless.
         return "not claimed"
+    if harness.isolate_execution:
+        from .executor import run_isolated
+
+        return run_isolated(lease)
     return Runner(lease).run()
+
+
+def drive_inline(task_id: int) -> str:
+    """Claim and run a task in this process and thread (tests, benchmarks, debugging)."""
+    lease = claim(task_id)
+    return "not claimed" if lease is None else Runner(lease).run()

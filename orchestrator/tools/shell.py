@@ -34,15 +34,16 @@ def run_in_group(argv: list[str], *, token, cwd: str | None = None, env: dict | 
     token.raise_if_cancelled()
     proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    unregister = token.on_cancel(lambda reason: kill_group(proc))
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        stdout, stderr = proc.communicate()
-        raise ToolError(f"{argv[0]} did not finish within {timeout} s and was killed")
-    finally:
-        unregister()
+    with token.track("subprocess", f"pid {proc.pid}: {' '.join(argv)[:150]}"):
+        unregister = token.on_cancel(lambda reason: kill_group(proc))
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            stdout, stderr = proc.communicate()
+            raise ToolError(f"{argv[0]} did not finish within {timeout} s and was killed")
+        finally:
+            unregister()
     token.raise_if_cancelled()
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 

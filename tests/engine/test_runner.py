@@ -7,7 +7,7 @@ from django.utils import timezone
 
 from orchestrator.engine import checkpoint, lease as leases, services, wal
 from orchestrator.engine.lease import LeaseLost
-from orchestrator.engine.worker import drive_task
+from orchestrator.engine.worker import drive_inline
 from orchestrator.models import DemoDestination, DemoSource, Snapshot, Step, Task, TaskEvent, WalEntry
 from orchestrator.tasktypes import get_type
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def run_to_end(task_id: int) -> Task:
-    outcome = drive_task(task_id)
+    outcome = drive_inline(task_id)
     assert outcome != "not claimed"
     return Task.objects.get(pk=task_id)
 
@@ -96,4 +96,4 @@ def test_a_second_claim_of_a_live_lease_is_refused():
     task = services.task_create(type="demo.migrate_rows", params={"rows": 10, "batch_size": 5, "rate": 1.0})
     assert leases.claim(task.pk) is not None
     assert leases.claim(task.pk) is None
-    assert drive_task(task.pk) == "not claimed"
+    assert drive_inline(task.pk) == "not claimed"

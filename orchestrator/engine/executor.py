@@ -1,0 +1,127 @@
+"""Isolated execution: a task's steps run in a child process (its own session) that the
+worker can kill outright. That is what makes Force-terminate immediate even when a step
+ignores its token or blocks in a C call, and what guarantees no descendant survives.
+
+The worker process (a django-q2 worker) is the *watchdog*: it forks the executor, becomes
+a child subreaper (orphaned grandchildren are re-parented to it, so none escapes), polls
+the task's control column, kills the whole tree on Force-terminate (or when a Stop
+outlives its grace period), and notices at once when the executor dies (kill -9, OOM):
+the task is handed to recovery without waiting for its heartbeat to go stale.
+"""
+import logging
+import os
+import signal
+import time
+
+from django.db import connections, transaction
+from django.utils import timezone
+
+from ..conf import harness
+from ..models import Task, TaskStatus as S
+from . import processes, states
+from .lease import Lease, LeaseLost, lock_fenced
+
+log = logging.getLogger(__name__)
+
+WATCH_INTERVAL = 0.05
+CONTROL_POLL = 0.1
+
+
+def run_isolated(lease: Lease) -> str:
+    from .runner import Runner
+
+    processes.become_subreaper()
+    connections.close_all()  # a forked child must not share the parent's sockets
+    pid = os.fork()
+    if pid == 0:  # the executor
+        code = 0
+        try:
+            os.setsid()
+            processes.die_with_parent()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            Runner(lease).run()
+        except BaseException:
+            log.exception("executor crashed", extra={"task_id": lease.task_id, "lease_epoch": lease.epoch})
+            code = 1
+        finally:
+            try:
+                connections.close_all()
+            finally:
+                os._exit(code)
+    return Watchdog(lease, pid).watch()
+
+
+class Watchdog:
+    def __init__(self, lease: Lease, pid: int):
+        self.lease, self.pid = lease, pid
+        self.extra = {"task_id": lease.task_id, "lease_epoch": lease.epoch, "worker": f"{lease.host}:{pid}"}
+
+    def watch(self) -> str:
+        # worker.pid in the API is the process that executes the steps.
+        self.lease.fenced().update(worker_pid=self.pid)
+        next_poll = 0.0
+        while True:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = self.pid, 0
+            if done == self.pid:
+                return self.after_exit(status)
+            if time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + CONTROL_POLL
+                verdict = self.check_control()
+                if verdict:
+                    return verdict
+            time.sleep(WATCH_INTERVAL)
+
+    def check_control(self) -> str:
+        row = (Task.objects.filter(pk=self.lease.task_id)
+               .values("control", "control_requested_at", "lease_epoch", "status").first())
+        if row is None or row["lease_epoch"] != self.lease.epoch:
+            # Another worker owns the task: our executor must not run on.
+            self.kill_all()
+            return "lease lost"
+        if row["control"] == "terminate":
+            return self.terminate("force-terminated by an operator", "terminate")
+        requested = row["control_requested_at"]
+        if row["control"] == "stop" and requested and \
+                (timezone.now() - requested).total_seconds() > harness.grace_seconds + 0.5:
+            return self.terminate(f"stop escalated to force-terminate: steps ignored cancellation for "
+                                  f"{harness.grace_seconds:g} s", "stop")
+        return ""
+
+    def kill_all(self) -> list[int]:
+        # Everything below this worker process belongs to the executor: the executor,
+        # its subprocesses, and orphans re-parented to us (we are their subreaper).
+        killed = processes.kill_tree(os.getpid(), include_root=False)
+        log.info("killed the executor tree (%d processes)", len(killed), extra=self.extra)
+        return killed
+
+    def terminate(self, reason: str, control: str) -> str:
+        self.kill_all()
+        try:
+            with transaction.atomic():
+                task = lock_fenced(self.lease)
+                if task.status not in states.TERMINAL:
+                    states.transition(task, S.TERMINATED, reason=reason, action=f"task.{control}",
+                                      lease_owner="", control="", activities=[])
+        except LeaseLost:
+            return "lease lost"
+        log.info("task terminated", extra=self.extra)
+        return S.TERMINATED
+
+    def after_exit(self, status: int) -> str:
+        leftovers = processes.kill_tree(os.getpid(), include_root=False)
+        if leftovers:
+            log.warning("killed %d processes the executor left behind", len(leftovers), extra=self.extra)
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+            return "executor finished"
+        # The executor died (SIGKILL, OOM, a crash): a worker crash. Hand the task to
+        # recovery now rather than waiting for its heartbeat to go stale.
+        how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+        log.warning("executor died (%s)", how, extra=self.extra)
+        from .recovery import recover_task
+
+        recover_task(self.lease.task_id, dead_lease=self.lease, cause=f"executor pid {self.pid} died ({how})")
+        return "executor died"

@@ -1,0 +1,186 @@
+"""Browser tests: a real daphne + real workers against the test database, driven by the
+system Chromium through Playwright's sync API (no browser is ever downloaded).
+
+Traps (STACK_NOTES "Browser tests"): Playwright's sync API runs an event loop in the test
+thread, so Django refuses ORM calls there unless DJANGO_ALLOW_ASYNC_UNSAFE is set, and
+`async_to_sync` refuses to run there at all: create database objects before starting the
+browser, or in another thread (`in_thread`).
+"""
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from tests.conftest import database_url, free_port
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root (where manage.py lives)
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(autouse=True)
+def allow_async_unsafe(monkeypatch):
+    """Playwright's loop in the test thread trips Django's SynchronousOnlyOperation check.
+
+    Set for the browser tests only (Django reads it at each call): set at import time, it
+    would switch the check off for every test in the session."""
+    monkeypatch.setitem(os.environ, "DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+# Environment variables that must not reach the servers started here.
+NOT_FOR_SERVERS = {"DJANGO_ALLOW_ASYNC_UNSAFE"}
+
+
+def in_thread(fn, *args, **kwargs):
+    """Run `fn` in another thread (its own DB connection, no event loop) and return its result."""
+    from django.db import connection
+
+    result, error = [], []
+
+    def run():
+        try:
+            result.append(fn(*args, **kwargs))
+        except BaseException as exc:  # re-raised in the caller
+            error.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    if error:
+        raise error[0]
+    if not result and thread.is_alive():
+        raise AssertionError(f"{fn!r} did not return within 60 s")
+    return result[0]
+
+
+class Server:
+    """`python -m daphne orchestrator.asgi:application` on a free port."""
+
+    def __init__(self, log_path: Path, **env_overrides):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.env = {k: v for k, v in os.environ.items() if k not in NOT_FOR_SERVERS}
+        self.env.update({
+            "DATABASE_URL": database_url(),
+            "ALLOWED_HOSTS": "127.0.0.1,localhost",
+            "ORCH_LIVE_POLL_SECONDS": "0.1",
+            "ORCH_VAR_DIR": str(settings.VAR_DIR),
+            "PORT": str(self.port),
+            "PYTHONUNBUFFERED": "1",
+            **{k: str(v) for k, v in env_overrides.items()},
+        })
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), "orchestrator.asgi:application"],
+            cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_until_up()
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def wait_until_up(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daphne exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/accounts/login/", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"daphne did not answer on {self.url} within {timeout}s:\n{self.output()[-3000:]}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
+        self.log.close()
+
+
+class Stack:
+    def __init__(self, server: Server, start_workers):
+        self.server = server
+        self.url = server.url
+        self._start_workers = start_workers
+        self.clusters = []
+
+    def start_workers(self, count: int = 1, **env):
+        cluster = self._start_workers(count, **env)
+        self.clusters.append(cluster)
+        return cluster
+
+
+@pytest.fixture
+def stack(transactional_db, start_workers, tmp_path):
+    """The real stack on the test database: daphne now, workers when the test asks
+    (`stack.start_workers()`), so a test can load a page before any work happens."""
+    server = Server(tmp_path / "daphne.log")
+    try:
+        yield Stack(server, start_workers)
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def browser():
+    """Chromium, started lazily: `browser()` — after the test made its database objects."""
+    from playwright.sync_api import sync_playwright
+
+    started = {}
+
+    def start():
+        if "browser" not in started:
+            started["playwright"] = sync_playwright().start()
+            started["browser"] = started["playwright"].chromium.launch(executable_path=CHROMIUM)
+        return started["browser"]
+
+    yield start
+    if "browser" in started:
+        started["browser"].close()
+        started["playwright"].stop()
+
+
+@pytest.fixture
+def new_page(browser, stack):
+    """A logged-in page: new_page(username) (every test user's password is "pw")."""
+    from playwright.sync_api import expect
+
+    def make(username: str, password: str = "pw"):
+        context = browser().new_context(base_url=stack.url, viewport={"width": 1280, "height": 720})
+        context.set_default_timeout(15_000)
+        page = context.new_page()
+        page.goto("/accounts/login/")
+        page.fill("#id_username", username)
+        page.fill("#id_password", password)
+        page.get_by_test_id("btn-login").click()
+        try:
+            expect(page.get_by_test_id("user-name")).to_have_text(username)
+        except AssertionError:
+            raise AssertionError(f"login as {username!r} failed: {page.url} shows {page.title()!r}\n"
+                                 f"daphne log:\n{stack.server.output()[-3000:]}") from None
+        return page
+
+    return make

@@ -1,0 +1,299 @@
+"""Who may do what: every API endpoint (taken from the OpenAPI schema) and every page ×
+every kind of identity → the expected status, plus the websockets, plus the audit trail
+of every allowed write (actor, action, task, IP).
+
+A new endpoint or page without an entry in the matrices below makes this module fail:
+decide who may use it, then add it here.
+"""
+import pytest
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.test import Client
+from django.urls import URLPattern, URLResolver, get_resolver
+
+from orchestrator.auth import token_issue
+from orchestrator.engine import services
+from orchestrator.models import AuditEntry, Task
+
+TEST_CLIENT_IP = "127.0.0.1"  # REMOTE_ADDR of Django's test client
+LOGIN_URL = "/accounts/login/"
+
+# --- the policy -------------------------------------------------------------------------------
+# kind -> the identities allowed to do it (DESIGN: viewer reads; operator also creates and
+# controls tasks; reviewer also decides review items; superusers hold every role).
+READ, CREATE, CONTROL, REVIEW = "read", "create", "control", "review"
+ALLOWED = {
+    READ: {"viewer", "operator", "reviewer", "superuser"},
+    CREATE: {"operator", "superuser"},
+    CONTROL: {"operator", "superuser"},
+    REVIEW: {"reviewer", "superuser"},
+}
+IDENTITIES = ["anonymous", "norole", "viewer", "operator", "reviewer", "superuser"]
+AUTHENTICATED = IDENTITIES[1:]
+
+# (method, OpenAPI path) -> (kind, audited action or None)
+API_MATRIX = {
+    ("get", "/api/task-types"): (READ, None),
+    ("get", "/api/tasks"): (READ, None),
+    ("post", "/api/tasks"): (CREATE, "task.create"),
+    ("get", "/api/tasks/{task_id}"): (READ, None),
+    ("post", "/api/tasks/{task_id}/pause"): (CONTROL, "task.pause"),
+    ("post", "/api/tasks/{task_id}/stop"): (CONTROL, "task.stop"),
+    ("post", "/api/tasks/{task_id}/terminate"): (CONTROL, "task.terminate"),
+    ("post", "/api/tasks/{task_id}/resume"): (CONTROL, "task.resume"),
+    ("get", "/api/tasks/{task_id}/wal"): (READ, None),
+    ("get", "/api/tasks/{task_id}/snapshots"): (READ, None),
+    ("get", "/api/tasks/{task_id}/events"): (READ, None),
+    ("get", "/api/tasks/{task_id}/audit"): (READ, None),
+}
+# What an allowed call answers, by kind.
+API_OK = {READ: {200}, CREATE: {201}, CONTROL: {200, 409}, REVIEW: {200, 409}}
+
+# (method, Django route, POST data) -> (kind, audited action or None). Routes are those of
+# the URLconf (admin/, accounts/ and api/ are covered elsewhere).
+CONTROL_ACTIONS = ("pause", "stop", "terminate", "resume")
+PAGE_MATRIX = {
+    ("GET", "", None): (READ, None),
+    ("GET", "tasks/new/", None): (CREATE, None),  # the create form is for operators
+    ("POST", "tasks/new/", "create"): (CREATE, "task.create"),
+    ("GET", "tasks/<int:task_id>/", None): (READ, None),
+    **{("POST", "tasks/<int:task_id>/control/", action): (CONTROL, f"task.{action}") for action in CONTROL_ACTIONS},
+}
+PAGE_ROUTES_NOT_IN_MATRIX = ("admin/", "accounts/", "api/")
+
+
+def expected_api_statuses(identity: str, kind: str) -> set[int]:
+    if identity == "anonymous":
+        return {401}
+    return API_OK[kind] if identity in ALLOWED[kind] else {403}
+
+
+# --- fixtures and helpers ---------------------------------------------------------------------
+
+def make_identity(make_user, identity: str):
+    if identity == "anonymous":
+        return None
+    if identity == "superuser":
+        return make_user("root", superuser=True)
+    if identity == "norole":
+        return make_user("nobody")
+    return make_user(f"{identity}-user", identity)
+
+
+def new_task(*, paused: bool = False) -> Task:
+    """A real task (queued); paused when the action under test is `resume`."""
+    task = services.task_create(type="demo.pipeline", params={})
+    if paused:
+        task = services.task_pause(task_id=task.pk)
+    return Task.objects.get(pk=task.pk)
+
+
+def bearer(user) -> dict:
+    return {"HTTP_AUTHORIZATION": f"Bearer {token_issue(user=user)}"}
+
+
+def assert_audited(*, user, action: str, task_id: int) -> None:
+    entries = AuditEntry.objects.filter(action=action, task_id=task_id, actor=user)
+    assert entries.count() == 1, (
+        f"expected one {action!r} audit entry by {user.username} for task #{task_id}; have "
+        f"{list(AuditEntry.objects.filter(task_id=task_id).values_list('action', 'actor_name', 'ip'))}")
+    entry = entries.get()
+    assert entry.actor_name == user.username
+    assert entry.ip == TEST_CLIENT_IP
+
+
+def assert_nothing_written(*, audit_before: int, tasks_before: int, task: Task) -> None:
+    assert AuditEntry.objects.count() == audit_before, "a refused request wrote an audit entry"
+    assert Task.objects.count() == tasks_before, "a refused request created a task"
+    status = task.status
+    task.refresh_from_db()
+    assert task.status == status, "a refused request changed the task"
+
+
+# --- the API ----------------------------------------------------------------------------------
+
+@pytest.mark.django_db
+def test_every_api_endpoint_has_a_matrix_entry(client):
+    schema = client.get("/api/openapi.json").json()
+    operations = {(method.lower(), path) for path, methods in schema["paths"].items() for method in methods
+                  if method.lower() in {"get", "post", "put", "patch", "delete"}}
+    missing = operations - set(API_MATRIX)
+    stale = set(API_MATRIX) - operations
+    assert not missing, f"API endpoints without a roles-matrix entry (add them to API_MATRIX): {sorted(missing)}"
+    assert not stale, f"API_MATRIX entries for endpoints that no longer exist: {sorted(stale)}"
+
+
+API_CASES = [pytest.param(method, path, identity, auth, id=f"{method.upper()} {path} {identity} {auth}")
+             for (method, path) in API_MATRIX
+             for identity in IDENTITIES
+             for auth in (("none", "bad-token") if identity == "anonymous" else ("session", "bearer"))]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("method,path,identity,auth", API_CASES)
+def test_api_matrix(client, make_user, method, path, identity, auth):
+    kind, action = API_MATRIX[(method, path)]
+    user = make_identity(make_user, identity)
+    task = new_task(paused=action == "task.resume")
+    headers = {}
+    if auth == "session":
+        client.force_login(user)
+    elif auth == "bearer":
+        headers = bearer(user)
+    elif auth == "bad-token":
+        headers = {"HTTP_AUTHORIZATION": "Bearer orch_not-a-real-token"}
+    url = path.replace("{task_id}", str(task.pk))
+    audit_before, tasks_before = AuditEntry.objects.count(), Task.objects.count()
+
+    if method == "get":
+        response = client.get(url, **headers)
+    else:
+        body = {"type": "demo.pipeline", "params": {}} if kind == CREATE else {"reason": "roles matrix"}
+        response = client.post(url, body, content_type="application/json", **headers)
+
+    expected = expected_api_statuses(identity, kind)
+    assert response.status_code in expected, (
+        f"{method.upper()} {url} as {identity} ({auth}): {response.status_code} {response.content[:300]!r}; "
+        f"expected {sorted(expected)}")
+    if response.status_code in (401, 403):
+        assert "detail" in response.json()
+        assert_nothing_written(audit_before=audit_before, tasks_before=tasks_before, task=task)
+    elif kind == CREATE:
+        assert_audited(user=user, action=action, task_id=response.json()["id"])
+    elif kind == CONTROL and response.status_code == 200:
+        assert_audited(user=user, action=action, task_id=task.pk)
+
+
+@pytest.mark.django_db
+def test_api_session_writes_need_the_csrf_token_but_bearer_writes_do_not(make_user):
+    operator = make_user("csrf-operator", "operator")
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(operator)
+    body = {"type": "demo.pipeline", "params": {}}
+    assert client.post("/api/tasks", body, content_type="application/json").status_code == 403
+    assert not Task.objects.exists()
+    token_client = Client(enforce_csrf_checks=True)
+    response = token_client.post("/api/tasks", body, content_type="application/json", **bearer(operator))
+    assert response.status_code == 201, response.content
+
+
+# --- the pages --------------------------------------------------------------------------------
+
+def page_routes() -> set[str]:
+    routes = set()
+
+    def walk(patterns, prefix: str) -> None:
+        for pattern in patterns:
+            route = prefix + str(pattern.pattern)
+            if isinstance(pattern, URLResolver):
+                if not route.startswith(PAGE_ROUTES_NOT_IN_MATRIX):
+                    walk(pattern.url_patterns, route)
+            elif isinstance(pattern, URLPattern):
+                routes.add(route)
+
+    walk(get_resolver().url_patterns, "")
+    return routes
+
+
+def test_every_page_has_a_matrix_entry():
+    in_matrix = {route for (_method, route, _data) in PAGE_MATRIX}
+    missing = page_routes() - in_matrix
+    stale = in_matrix - page_routes()
+    assert not missing, f"pages without a roles-matrix entry (add them to PAGE_MATRIX): {sorted(missing)}"
+    assert not stale, f"PAGE_MATRIX entries for pages that no longer exist: {sorted(stale)}"
+
+
+PAGE_CASES = [pytest.param(method, route, data, identity, id=f"{method} /{route} {data or ''} {identity}")
+              for (method, route, data) in PAGE_MATRIX for identity in IDENTITIES]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("method,route,data,identity", PAGE_CASES)
+def test_page_matrix(client, make_user, method, route, data, identity):
+    kind, action = PAGE_MATRIX[(method, route, data)]
+    user = make_identity(make_user, identity)
+    task = new_task(paused=data == "resume")
+    if user is not None:
+        client.force_login(user)
+    url = "/" + route.replace("<int:task_id>", str(task.pk))
+    audit_before, tasks_before = AuditEntry.objects.count(), Task.objects.count()
+
+    if method == "GET":
+        response = client.get(url)
+    elif data == "create":
+        response = client.post(url, {"type": "demo.pipeline", "title": "from the matrix"})
+    else:
+        response = client.post(url, {"action": data, "reason": "roles matrix"})
+
+    where = f"{method} {url} {data or ''} as {identity}"
+    if identity == "anonymous":
+        assert response.status_code == 302, where
+        assert response["Location"].startswith(LOGIN_URL + "?next="), (where, response["Location"])
+        assert_nothing_written(audit_before=audit_before, tasks_before=tasks_before, task=task)
+    elif identity not in ALLOWED[kind]:
+        assert response.status_code == 403, (where, response.status_code)
+        assert_nothing_written(audit_before=audit_before, tasks_before=tasks_before, task=task)
+    elif method == "GET":
+        assert response.status_code == 200, (where, response.status_code)
+    elif data == "create":
+        assert response.status_code == 302, (where, response.status_code, response.content[:500])
+        created = Task.objects.exclude(pk=task.pk).get()
+        assert response["Location"] == f"/tasks/{created.pk}/"
+        assert_audited(user=user, action=action, task_id=created.pk)
+    else:
+        assert response.status_code == 302, (where, response.status_code)
+        assert response["Location"] == f"/tasks/{task.pk}/"
+        assert_audited(user=user, action=action, task_id=task.pk)
+
+
+# --- the websockets ---------------------------------------------------------------------------
+
+ORIGIN = [(b"origin", b"http://localhost")]
+
+
+def session_headers(user) -> list:
+    if user is None:
+        return list(ORIGIN)
+    client = Client()
+    client.force_login(user)
+    return ORIGIN + [(b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode())]
+
+
+@pytest.fixture
+def ws_setup(make_user, request):
+    identity = request.param
+    user = make_identity(make_user, identity)
+    task = services.task_create(type="demo.pipeline", params={})
+    return identity, session_headers(user), task
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("path", ["/ws/tasks/", "/ws/tasks/{task_id}/"])
+@pytest.mark.parametrize("ws_setup", IDENTITIES, indirect=True)
+async def test_websocket_matrix(ws_setup, path):
+    from orchestrator.asgi import application
+
+    identity, headers, task = ws_setup
+    communicator = WebsocketCommunicator(application, path.format(task_id=task.pk), headers=headers)
+    connected, code = await communicator.connect(timeout=5)
+    try:
+        if identity in ALLOWED[READ]:
+            assert connected, (identity, code)
+            first = await communicator.receive_json_from(timeout=5)
+            assert first["type"] == "state"
+        else:
+            assert not connected, identity
+    finally:
+        if connected:
+            await communicator.disconnect()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_websocket_without_origin_is_refused_even_for_a_viewer(make_user):
+    from orchestrator.asgi import application
+
+    user = await database_sync_to_async(make_user)("ws-viewer", "viewer")
+    headers = [h for h in await database_sync_to_async(session_headers)(user) if h[0] != b"origin"]
+    communicator = WebsocketCommunicator(application, "/ws/tasks/", headers=headers)
+    connected, _ = await communicator.connect(timeout=5)
+    assert not connected
