@@ -285,9 +285,18 @@ def terminate_task(request, task_id: int, body: ControlIn | None = None):
     return _control(request, task_id, services.task_terminate, body)
 
 
+class ResumeIn(ControlIn):
+    limits: dict[str, Any] | None = None
+
+
 @api.post("/tasks/{task_id}/resume", response=CONTROL_RESPONSES, tags=["control"])
-def resume_task(request, task_id: int, body: ControlIn | None = None):
-    return _control(request, task_id, services.task_resume, body)
+def resume_task(request, task_id: int, body: ResumeIn | None = None):
+    """Resume a paused task from its checkpoint; `limits` raises the limits first."""
+    require(request, roles.OPERATOR)
+    get_task(task_id)
+    services.task_resume(task_id=task_id, limits=body.limits if body else None, actor=request.auth,
+                         ip=client_ip(request), reason=body.reason if body else "")
+    return task_out(get_task(task_id))
 
 
 @api.get("/tasks/{task_id}/wal", response={200: list[WalOut], **ERRORS}, tags=["history"])

@@ -13,7 +13,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from ..conf import harness
-from ..models import Snapshot, Step, StepStatus, Task
+from ..models import Snapshot, Step, StepStatus, Task, TaskStatus
 from . import wal
 from .events import create_event
 from .faults import fault_point
@@ -116,8 +116,13 @@ def commit_step_failure(*, lease: Lease, plan: PlanState, step_id: str, error: s
 def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
     """Create the task's Step rows on its first run; afterwards load them (the plan is
     part of the durable state, so a recovered task continues the same plan)."""
+    from . import states
+
     with transaction.atomic():
         task = lock_fenced(lease)
+        if task.status == TaskStatus.QUEUED:
+            states.transition(task, TaskStatus.RUNNING, reason="running on a worker",
+                              extra={"worker": f"{lease.host}:{task.worker_pid}"})
         steps = list(Step.objects.filter(task=task).order_by("position")
                      .values_list("step_id", "depends_on", "status", "attempts"))
         if not steps:

@@ -67,10 +67,8 @@ def claim(task_id: int) -> Lease | None:
         task.lease_epoch += 1
         task.lease_owner, task.worker_host, task.worker_pid = owner, host, pid
         task.heartbeat_at = timezone.now()
-        if task.status == S.QUEUED:
-            states.transition(task, S.RUNNING, reason="claimed by a worker", extra={"worker": owner})
-        else:
-            task.save(update_fields=["lease_epoch", "lease_owner", "worker_host", "worker_pid", "heartbeat_at"])
+        # The status becomes `running` when the executor starts (engine/checkpoint.py).
+        task.save(update_fields=["lease_epoch", "lease_owner", "worker_host", "worker_pid", "heartbeat_at"])
     log.info("claimed task", extra={"task_id": task_id, "lease_epoch": task.lease_epoch, "worker": owner,
                                     "checkpoint_version": task.checkpoint_version,
                                     "resume_strategy": "takeover" if previous else "fresh"})

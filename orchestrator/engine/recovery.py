@@ -12,6 +12,7 @@ import time
 from datetime import timedelta
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from ..conf import harness
@@ -24,8 +25,11 @@ SWEEPABLE = (S.RUNNING, S.PAUSING, S.STOPPING)
 
 
 def stale_tasks(now=None):
+    """Tasks whose lease holder went quiet: running ones, and claimed ones whose executor
+    never started."""
     cutoff = (now or timezone.now()) - timedelta(seconds=harness.stale_after_seconds)
-    return Task.objects.filter(status__in=SWEEPABLE, heartbeat_at__lt=cutoff)
+    return Task.objects.filter(heartbeat_at__lt=cutoff).filter(
+        Q(status__in=SWEEPABLE) | Q(status=S.QUEUED) & ~Q(lease_owner=""))
 
 
 def sweep() -> list[int]:
@@ -40,11 +44,11 @@ def sweep() -> list[int]:
 def recover_task(task_id: int, *, dead_lease=None, cause: str = "") -> bool:
     """Recover one task whose worker is gone: found stale by a sweeper, or reported dead
     (`dead_lease`) by the worker that watched its executor die."""
-    candidates = Task.objects.select_for_update(skip_locked=True).filter(pk=task_id, status__in=SWEEPABLE)
+    candidates = Task.objects.select_for_update(skip_locked=True).filter(pk=task_id)
     if dead_lease is not None:
-        candidates = candidates.filter(lease_epoch=dead_lease.epoch)
+        candidates = candidates.filter(lease_epoch=dead_lease.epoch, status__in=(*SWEEPABLE, S.QUEUED))
     else:
-        candidates = candidates.filter(heartbeat_at__lt=timezone.now() - timedelta(seconds=harness.stale_after_seconds))
+        candidates = candidates.filter(pk__in=stale_tasks().values("pk"))
     with transaction.atomic():
         task = candidates.first()
         if task is None:

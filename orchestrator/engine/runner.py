@@ -83,8 +83,11 @@ class Supervisor(threading.Thread):
                     if row is None or row["lease_epoch"] != lease.epoch or row["lease_owner"] != lease.owner:
                         self.runner.lose_lease()
                         return
-                    if row["control"] and self.runner.request(row["control"]):
+                    if row["control"] and row["control"] != self.runner.control:
+                        # Acknowledge before acting: once the steps wind down the run may
+                        # end (and give up its lease) at any moment.
                         acknowledge(lease, row["control"])
+                        self.runner.request(row["control"])
                     if self.runner.control:
                         self.publish_activities()
                     if time.monotonic() >= next_beat:
@@ -173,7 +176,11 @@ class Runner:
         self.task_type = task_type
         self.limits = {**harness.default_limits, **task.limits}
         self.base_active_seconds, self.base_tokens = task.active_seconds, task.tokens_used
-        self.plan = checkpoint.ensure_plan(lease=self.lease, task_type=task_type, params=self.params)
+        try:
+            self.plan = checkpoint.ensure_plan(lease=self.lease, task_type=task_type, params=self.params)
+        except LeaseLost:
+            log.info("lease lost before the run started", extra={"task_id": task.pk, "lease_epoch": self.lease.epoch})
+            return "lease lost"
         self.results = dict(Task.objects.get(pk=task.pk).steps.filter(status=StepStatus.DONE)
                             .values_list("step_id", "result"))
         supervisor = Supervisor(self)

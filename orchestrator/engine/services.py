@@ -103,9 +103,11 @@ def _request_control(task_id: int, control: str, *, target: str, actor, ip, reas
                 audit(action=f"task.{control}", actor=actor, ip=ip, task=task, reason=reason,
                       before={"status": task.status}, after={"control": control})
         else:
-            # No runner holds it (queued, paused, awaiting review, between slices): settle now.
+            # No runner holds it (queued, paused, awaiting review, between slices): settle
+            # now, and fence off an executor that may just be starting on a queued task.
             states.transition(task, target, reason=reason or f"{control} by an operator", actor=actor, ip=ip,
-                              action=f"task.{control}", control="")
+                              action=f"task.{control}", control="", lease_owner="",
+                              lease_epoch=task.lease_epoch + 1)
     return task
 
 
@@ -121,15 +123,35 @@ def task_terminate(*, task_id: int, actor=None, ip=None, reason: str = "") -> Ta
     return _request_control(task_id, "terminate", target=S.TERMINATED, actor=actor, ip=ip, reason=reason)
 
 
-def task_resume(*, task_id: int, actor=None, ip=None, reason: str = "") -> Task:
-    """Continue a paused task from its checkpoint on any worker."""
+def task_resume(*, task_id: int, limits: dict | None = None, actor=None, ip=None, reason: str = "") -> Task:
+    """Continue a paused task from its checkpoint on any worker, optionally with raised
+    limits (a task paused by `limit: max_seconds` continues once the limit is raised)."""
     with transaction.atomic():
         task = states.lock_task(task_id)
-        if task.status in (S.QUEUED, S.RUNNING):
+        if task.status in (S.QUEUED, S.RUNNING) and not limits:
             return task
         if task.status != S.PAUSED:
             raise states.InvalidTransition(task, S.QUEUED, f"Task #{task.pk} is {task.status}; only a paused task can be resumed.")
+        before = {"status": task.status, "limits": task.limits}
+        if limits:
+            task.limits = {**task.limits, **validate_limits({**task.limits, **limits})}
+        if task.status_reason.startswith("limit: ") and not _limit_raised(task):
+            limit = task.status_reason.removeprefix("limit: ")
+            raise states.InvalidTransition(
+                task, S.QUEUED, f"Task #{task.pk} paused because {limit} ran out; raise {limit} to resume it.")
         states.transition(task, S.QUEUED, reason=reason or "resumed by an operator", actor=actor, ip=ip,
                           action="task.resume", control="")
+        if limits:
+            audit(action="task.limits", actor=actor, ip=ip, task=task, before=before, after={"limits": task.limits})
         scheduler.enqueue(task.pk)
     return task
+
+
+def _limit_raised(task: Task) -> bool:
+    """Whether the limit that paused the task has room again."""
+    limit = task.status_reason.removeprefix("limit: ")
+    value = task.limits.get(limit)
+    if value is None:
+        return True
+    used = {"max_steps": task.steps_done, "max_tokens": task.tokens_used, "max_seconds": task.active_seconds}
+    return limit not in used or used[limit] < value

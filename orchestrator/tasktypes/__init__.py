@@ -25,9 +25,11 @@ def register(cls: type[TaskType]) -> type[TaskType]:
 
 
 def _load() -> dict[str, TaskType]:
-    for module in TASK_TYPE_MODULES + harness.extra_task_type_modules:
+    """The registered types of the modules configured now (settings may change in tests)."""
+    modules = TASK_TYPE_MODULES + harness.extra_task_type_modules
+    for module in modules:
         importlib.import_module(module)
-    return _registry
+    return {name: t for name, t in _registry.items() if type(t).__module__ in modules}
 
 
 def all_types() -> dict[str, TaskType]:

@@ -52,11 +52,11 @@ def in_thread(fn, *args, **kwargs):
 
     thread = threading.Thread(target=run)
     thread.start()
-    thread.join(60)
+    thread.join(90)
     if error:
         raise error[0]
     if not result and thread.is_alive():
-        raise AssertionError(f"{fn!r} did not return within 60 s")
+        raise AssertionError(f"{fn!r} did not return within 90 s")
     return result[0]
 
 

@@ -44,6 +44,8 @@ class Command(BaseCommand):
             control = sub.add_parser(name, help=f"{name} a task")
             control.add_argument("id", type=int)
             control.add_argument("--reason", default="")
+            if name == "resume":
+                control.add_argument("--limit", action="append", default=[], help="raise a limit: max_seconds=600")
 
     def handle(self, *args, action, **opts):
         if action == "create":
@@ -64,12 +66,15 @@ class Command(BaseCommand):
         elif action == "show":
             self.show(opts["id"], as_json=opts["json"])
         else:
+            extra = {"limits": dict(map(parse_param, opts["limit"])) or None} if action == "resume" else {}
             try:
-                task = CONTROLS[action](task_id=opts["id"], reason=opts["reason"])
+                task = CONTROLS[action](task_id=opts["id"], reason=opts["reason"], **extra)
             except Task.DoesNotExist:
                 raise CommandError(f"There is no task #{opts['id']}.") from None
             except InvalidTransition as exc:
                 raise CommandError(str(exc)) from None
+            except services.InvalidInput as exc:
+                raise CommandError("\n".join(f"{e.field}: {e.message}" for e in exc.errors)) from None
             self.stdout.write(f"task #{task.pk}: {task.status}" + (f" (control: {task.control})" if task.control else ""))
 
     def show(self, task_id: int, *, as_json: bool) -> None:

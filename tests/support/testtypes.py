@@ -1,0 +1,68 @@
+"""Task types for the interruption and limit tests (loaded with ORCH_EXTRA_TASK_TYPES)."""
+import sys
+import time
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.tasktypes import register
+from orchestrator.tasktypes.base import StepSpec, TaskType
+
+# A long-running child process: python -c "<script>" TAG
+SLEEPER = "import sys, time; time.sleep(600)"
+STUBBORN = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+
+
+def tag(task_id: int) -> str:
+    return f"orch-test-task-{task_id}"
+
+
+class InterruptibleParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: str = Field("subprocess", pattern="^(subprocess|stubborn|http_stream|llm_stream|subtasks|ignore_token|sleep)$")
+    url: str = ""
+    steps: int = Field(3, ge=1)
+    seconds: float = 0.2
+    subtasks: int = 3
+    tokens_per_step: int = 0
+
+
+@register
+class Interruptible(TaskType):
+    """Each step blocks in one layer (subprocess, HTTP stream, LLM stream, subtasks,
+    a call that ignores the token) — or, in `sleep` mode, works `seconds` obeying it."""
+
+    name = "test.interruptible"
+    Params = InterruptibleParams
+
+    def plan(self, params):
+        return [StepSpec(f"step-{i}", depends_on=(f"step-{i - 1}",) if i > 1 else (), reads=("mode",))
+                for i in range(1, params.steps + 1)]
+
+    def run_step(self, ctx, step_id):
+        mode = ctx.params.mode
+        if mode == "subprocess":
+            ctx.run_subprocess([sys.executable, "-c", SLEEPER, tag(ctx.task_id)])
+        elif mode == "stubborn":
+            ctx.run_subprocess([sys.executable, "-c", STUBBORN, tag(ctx.task_id)])
+        elif mode == "http_stream":
+            ctx.http("GET", ctx.params.url, timeout=600)
+        elif mode == "llm_stream":
+            text = "".join(ctx.llm_stream(ctx.params.url, {"model": "local", "messages": [
+                {"role": "user", "content": "count"}], "max_tokens": ctx.params.tokens_per_step or None}))
+            return {"chars": len(text)}
+        elif mode == "subtasks":
+            futures = [ctx.spawn(lambda sub: sub.run_subprocess([sys.executable, "-c", SLEEPER, tag(ctx.task_id)]),
+                                 name=f"{step_id}/worker-{i}") for i in range(ctx.params.subtasks)]
+            return [f.result() and None for f in futures]
+        elif mode == "ignore_token":
+            time.sleep(600)  # deaf to cancellation: only killing the process stops it
+        elif mode == "sleep":
+            ctx.sleep(ctx.params.seconds)
+            if ctx.params.tokens_per_step:
+                ctx.use_tokens(ctx.params.tokens_per_step)
+            if ctx.params.subtasks and ctx.params.subtasks > 0 and ctx.params.url == "spawn":
+                futures = [ctx.spawn(lambda sub: sub.sleep(0.05), name=f"{step_id}/s{i}")
+                           for i in range(ctx.params.subtasks)]
+                for f in futures:
+                    f.result()
+        return {"step": step_id}
