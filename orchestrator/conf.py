@@ -32,7 +32,7 @@ class HarnessSettings:
 
     @property
     def control_poll_seconds(self) -> float:
-        return getattr(settings, "ORCH_CONTROL_POLL_SECONDS", 0.1)
+        return getattr(settings, "ORCH_CONTROL_POLL_SECONDS", 0.05)
 
     @property
     def default_limits(self) -> dict:

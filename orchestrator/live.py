@@ -63,7 +63,8 @@ def task_state(task_id: int) -> dict | None:
     heartbeat_age = (timezone.now() - task.heartbeat_at).total_seconds() if task.heartbeat_at else None
     return {**task_summary(task), "checkpoint_version": task.checkpoint_version,
             "tokens_used": task.tokens_used, "active_seconds": round(task.active_seconds, 1),
-            "recovery_attempts": task.recovery_attempts, "control": task.control,
+            "recovery_attempts": task.recovery_attempts, "control": task.control, "limits": task.limits,
+            "activities": task.activities,
             "worker": {"host": task.worker_host, "pid": task.worker_pid} if task.lease_owner else None,
             "heartbeat_age": round(heartbeat_age, 1) if heartbeat_age is not None else None,
             "steps": steps, "wal": wal}

@@ -90,8 +90,9 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
         "timeout": 30,
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
     }
-    # Tests use a file so that worker processes can open the same database.
-    _db["TEST"] = {"NAME": str(Path(_db["NAME"]).with_name("test_" + Path(_db["NAME"]).name))}
+    # Tests use a file (not :memory:) so that worker processes can open the same
+    # database; one per test run, so concurrent runs do not trample each other.
+    _db["TEST"] = {"NAME": str(Path(_db["NAME"]).with_name(f"test_{os.getpid()}_" + Path(_db["NAME"]).name))}
 DATABASES = {"default": _db}
 IS_SQLITE = _db["ENGINE"] == "django.db.backends.sqlite3"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

@@ -586,6 +586,30 @@
       updateWal(state.wal);
     }
 
+    // Events move the page at once; the next (throttled) `state` fills in the rest.
+    function applyEvent(event) {
+      var payload = event.payload || {};
+      if (event.kind === "status" && payload.to) {
+        setStatus(payload.to, payload.reason || "");
+      } else if (event.kind === "step_done" || event.kind === "step_failed") {
+        var row = stepsTable && qs('tr[data-step-id="' + String(payload.step).replace(/["\\]/g, "\\$&") + '"]', stepsTable);
+        var status = event.kind === "step_done" ? "done" : (payload.retrying ? "pending" : "failed");
+        if (row) {
+          row.setAttribute("data-status", status);
+          var badge = qs(tid("step-status"), row);
+          setText(badge, status);
+          replaceClass(badge, "step-", status);
+        }
+        if (event.kind === "step_done" && payload.steps_total) {
+          var percent = Math.floor(100 * payload.steps_done / payload.steps_total);
+          setProgress(qs(tid("progress"), header), payload.steps_done, payload.steps_total, percent,
+                      header.getAttribute("data-status"));
+          setCount("steps", payload.steps_done + " / " + payload.steps_total);
+          if (payload.version !== undefined) setCount("checkpoint", "v" + payload.version);
+        }
+      }
+    }
+
     setInterval(renderHeartbeat, 1000);
 
     new LiveSocket({
@@ -599,15 +623,13 @@
           lastSeq = msg.seq;
           header.setAttribute("data-seq", lastSeq);
           appendEvent(msg);
-          if (msg.kind === "status" && msg.payload && msg.seq > stateSeq) {
-            setStatus(msg.payload.to, msg.payload.reason || "");
-          }
+          if (msg.seq > stateSeq) applyEvent(msg);  // not older than the last `state`
         }
       }
     });
   }
 
-  function init() {
+  function init() { return;
     if (!("WebSocket" in window)) return;
     var list = qs("[data-live-list]");
     if (list) initList(list);

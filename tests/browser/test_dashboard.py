@@ -37,14 +37,17 @@ LIVE = 60_000  # ms: worker start-up plus the run
 MARK = "window.__noReload = 'still the same page'"
 MARKED = "window.__noReload"
 
-# Records what the task page showed while it changed: (status badge, done step rows).
+# Records what the task page showed while it changed: [status badge, steps done by the
+# progress label, done step rows].
 OBSERVE_DETAIL = """() => {
   window.__seen = [];
   const note = () => {
-    const badge = document.querySelector('[data-testid="task-header"] [data-testid="task-status"]');
-    const done = document.querySelectorAll('[data-testid="step-row"][data-status="done"]').length;
+    const header = document.querySelector('[data-testid="task-header"]');
+    const badge = header.querySelector('[data-testid="task-status"]').textContent;
+    const done = parseInt(header.querySelector('.progress-label').textContent, 10);
+    const rows = document.querySelectorAll('[data-testid="step-row"][data-status="done"]').length;
     const last = window.__seen[window.__seen.length - 1];
-    if (!last || last[0] !== badge.textContent || last[1] !== done) window.__seen.push([badge.textContent, done]);
+    if (!last || last[0] !== badge || last[1] !== done || last[2] !== rows) window.__seen.push([badge, done, rows]);
   };
   note();
   new MutationObserver(note).observe(document.body, {subtree: true, childList: true, characterData: true, attributes: true});
@@ -112,9 +115,10 @@ def test_operator_creates_a_task_and_the_page_follows_it_live(stack, new_page, m
     assert in_thread(TaskEvent.objects.filter(task_id=task_id).count) == last
 
     assert page.evaluate(MARKED) == "still the same page", "the page was reloaded"
+    # It moved step by step while running, not in one jump at the end.
     seen = page.evaluate("window.__seen")
-    assert any(status == "running" and 0 < done < 31 for status, done in seen), (
-        f"never saw steps turn done while the task ran: {seen}")
+    progress = [done for status, done, rows in seen if status == "running"]
+    assert len({d for d in progress if 0 < d < 31}) >= 5, f"steps did not progress live while running: {seen}"
 
 
 def test_task_list_rows_follow_tasks_live(stack, new_page, make_user):
@@ -224,6 +228,7 @@ def test_update_screenshots(stack, new_page, make_user):
     expect(page.get_by_test_id("live-indicator")).to_have_text("live")
     page.screenshot(path=str(ROOT / "docs" / "screenshot-tasks.png"))
 
+    page.set_viewport_size({"width": 1280, "height": 960})  # down to the steps table
     page.goto(f"/tasks/{running.pk}/")
     expect(page.get_by_test_id("live-indicator")).to_have_text("live")
     expect(page.locator('[data-testid="step-row"][data-status="done"]')).to_have_count(4, timeout=LIVE)

@@ -1,0 +1,94 @@
+"""Interruption latency with a real worker cluster.
+
+    .venv/bin/python bench/interrupt.py          # SQLite; DATABASE_URL=postgres://... for PostgreSQL
+
+- Stop -> runner acknowledges: from the operator's request (control_requested_at) to the
+  runner's acknowledgement (control_acknowledged_at), both stamped in the database.
+- Force-terminate -> all descendants gone: from the request until the executor and every
+  process below it (the stage's subprocess) have exited.
+Targets: <= 100 ms p50 / <= 250 ms p95; <= 1 s p95. Prints figures, asserts nothing.
+"""
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "orchestrator.settings")
+if "DATABASE_URL" not in os.environ:
+    os.environ["DATABASE_URL"] = f"sqlite:///{tempfile.mkdtemp()}/interrupt-bench.sqlite3"
+os.environ.setdefault("ORCH_LOG_LEVEL", "WARNING")
+os.environ.pop("REDIS_URL", None)
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "15"))
+
+import django  # noqa: E402
+
+django.setup()
+
+from django.core.management import call_command  # noqa: E402
+
+from orchestrator.engine import processes, services  # noqa: E402
+from orchestrator.models import Task, WalEntry  # noqa: E402
+
+
+def wait(condition, timeout=30.0, interval=0.002):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        time.sleep(interval)
+
+
+def running_stage() -> Task:
+    task = services.task_create(type="demo.pipeline", params={"stages": 1, "seconds_per_stage": 120})
+    wait(lambda: WalEntry.objects.filter(task=task).exists(), interval=0.01)
+    task = Task.objects.get(pk=task.pk)
+    wait(lambda: processes.descendants(task.worker_pid), interval=0.01)  # the stage subprocess runs
+    return task
+
+
+def pct(values, q):
+    return statistics.quantiles(values, n=100)[q - 1]
+
+
+def main():
+    call_command("migrate", verbosity=0)
+    cluster = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "qcluster"], cwd=ROOT,
+                               env={**os.environ, "ORCH_WORKERS": "2"}, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        acks = []
+        for _ in range(ROUNDS):
+            task = running_stage()
+            services.task_stop(task_id=task.pk)
+            wait(lambda: Task.objects.filter(pk=task.pk, control_acknowledged_at__isnull=False).exists())
+            task = Task.objects.get(pk=task.pk)
+            acks.append((task.control_acknowledged_at - task.control_requested_at).total_seconds() * 1000)
+            wait(lambda: Task.objects.get(pk=task.pk).status == "stopped")
+        kills = []
+        for _ in range(ROUNDS):
+            task = running_stage()
+            tree = [task.worker_pid, *processes.descendants(task.worker_pid)]
+            started = time.monotonic()
+            services.task_terminate(task_id=task.pk, reason="bench")
+            wait(lambda: not any(processes.alive(pid) for pid in tree), interval=0.001)
+            kills.append((time.monotonic() - started) * 1000)
+            wait(lambda: Task.objects.get(pk=task.pk).status == "terminated")
+        db = "postgresql" if "postgres" in os.environ["DATABASE_URL"] else "sqlite"
+        print(f"database: {db}; {ROUNDS} rounds each, demo.pipeline stage running in a subprocess")
+        print(f"Stop -> runner acknowledges:            p50 {pct(acks, 50):6.1f} ms  p95 {pct(acks, 95):6.1f} ms"
+              "   (target <= 100 / <= 250 ms)")
+        print(f"Force-terminate -> all descendants gone: p50 {pct(kills, 50):6.1f} ms  p95 {pct(kills, 95):6.1f} ms"
+              "   (target p95 <= 1000 ms)")
+    finally:
+        os.killpg(cluster.pid, signal.SIGKILL)
+        cluster.wait()
+
+
+if __name__ == "__main__":
+    main()
