@@ -1,7 +1,10 @@
 """The HTTP API (django-ninja; OpenAPI at /api/openapi.json). Thin: it parses input,
 checks the role and calls the engine's services; JSON in and out."""
+import json
 from datetime import datetime
 from typing import Any
+
+from django.core.serializers.json import DjangoJSONEncoder
 
 from django.http import HttpRequest
 from ninja import NinjaAPI, Schema, Status
@@ -14,6 +17,8 @@ from .engine import services
 from .engine.states import InvalidTransition
 from .models import AuditEntry, Snapshot, Task, TaskEvent, WalEntry
 from .tasktypes import all_types
+from review import selectors as review_selectors, services as review_services
+from review.models import ReviewItem
 
 
 class BearerAuth(HttpBearer):
@@ -152,6 +157,10 @@ class TaskOut(TaskSummaryOut):
     error: str
     started_at: datetime | None
     finished_at: datetime | None
+    control: str
+    control_requested_at: datetime | None
+    control_acknowledged_at: datetime | None
+    activities: list[dict]
     steps: list[StepOut]
 
 
@@ -220,7 +229,9 @@ def task_out(task: Task) -> dict:
                   "active_seconds": round(task.active_seconds, 3), "recovery_attempts": task.recovery_attempts},
         checkpoint_version=task.checkpoint_version, event_seq=task.event_seq, heartbeat_at=task.heartbeat_at,
         worker=WorkerOut(host=task.worker_host, pid=task.worker_pid) if running else None, error=task.error,
-        started_at=task.started_at, finished_at=task.finished_at, steps=steps)
+        started_at=task.started_at, finished_at=task.finished_at, control=task.control,
+        control_requested_at=task.control_requested_at, control_acknowledged_at=task.control_acknowledged_at,
+        activities=task.activities, steps=steps)
 
 
 ERRORS = {401: ErrorOut, 403: ErrorOut, 404: ErrorOut}
@@ -327,3 +338,90 @@ def task_audit(request, task_id: int):
     task = get_task(task_id)
     return [AuditOut(id=a.pk, at=a.at, actor=a.actor_name, ip=a.ip, action=a.action, before=a.before,
                      after=a.after, reason=a.reason) for a in AuditEntry.objects.filter(task=task).order_by("at", "id")]
+
+
+@api.get("/tasks/{task_id}/export", response={200: dict, **ERRORS}, tags=["history"])
+def task_export(request, task_id: int):
+    """Everything about a task in one JSON document (task, steps, WAL, last snapshot,
+    events, audit, reviews) — what a human needs to investigate a `needs_human` task."""
+    require(request, roles.VIEWER)
+    get_task(task_id)
+    return json.loads(json.dumps(selectors.task_export(task_id), cls=DjangoJSONEncoder))
+
+
+# --- the review queue ------------------------------------------------------------------------
+
+class ReviewOut(Schema):
+    id: int
+    task_id: int
+    task_type: str
+    task_status: str
+    status: str
+    reason: str
+    dead_worker: str
+    detected_at: datetime
+    step_id: str
+    tool: str
+    args: Any
+    idempotency_key: str
+    intent_written_at: datetime
+    wal_status: str
+    evidence: Any
+    decision: str
+    decision_result: Any
+    note: str
+    decided_by: str | None
+    decided_at: datetime | None
+
+
+class DecideIn(Schema):
+    decision: str
+    note: str = ""
+    result: Any = None
+
+
+def review_out(item) -> ReviewOut:
+    entry = item.wal_entry
+    return ReviewOut(
+        id=item.pk, task_id=item.task_id, task_type=item.task.type, task_status=item.task.status, status=item.status,
+        reason=item.reason, dead_worker=item.dead_worker, detected_at=item.detected_at, step_id=entry.step_id,
+        tool=entry.tool, args=entry.args, idempotency_key=entry.idempotency_key, intent_written_at=entry.created_at,
+        wal_status=entry.status, evidence=item.evidence, decision=item.decision, decision_result=item.decision_result,
+        note=item.note, decided_by=item.decided_by.username if item.decided_by else None, decided_at=item.decided_at)
+
+
+@api.get("/reviews", response={200: list[ReviewOut], **ERRORS}, tags=["reviews"])
+def list_reviews(request, status: str = "open", task: int | None = None, tool: str = "", limit: int = 200):
+    """Review items, oldest first (open ones by default; `status=decided` or `status=all`)."""
+    require(request, roles.VIEWER)
+    return [review_out(i) for i in review_selectors.review_list(status=status, task_id=task, tool=tool)[:max(1, min(limit, 1000))]]
+
+
+@api.get("/reviews/{review_id}", response={200: ReviewOut, **ERRORS}, tags=["reviews"])
+def review_detail(request, review_id: int):
+    require(request, roles.VIEWER)
+    return review_out(get_review(review_id))
+
+
+@api.post("/reviews/{review_id}/decide", response={200: ReviewOut, 409: ErrorOut, 422: ErrorOut, **ERRORS},
+          tags=["reviews"])
+def decide_review(request, review_id: int, body: DecideIn):
+    """Decide an open item: `happened` (optionally with `result`), `not_happened`
+    (performed again with the same key), `skip`, or `abort_task`; `note` is required."""
+    require(request, roles.REVIEWER)
+    get_review(review_id)
+    review_services.review_decide(item_id=review_id, decision=body.decision, note=body.note, result=body.result,
+                                  actor=request.auth, ip=client_ip(request))
+    return review_out(get_review(review_id))
+
+
+def get_review(review_id: int):
+    try:
+        return review_selectors.review_detail(review_id)
+    except ReviewItem.DoesNotExist:
+        raise NotFound(f"There is no review item #{review_id}.") from None
+
+
+@api.exception_handler(review_services.ReviewClosed)
+def on_review_closed(request, exc):
+    return api.create_response(request, {"detail": str(exc), "errors": []}, status=409)

@@ -102,6 +102,9 @@ class Step(models.Model):
     attempts = models.PositiveIntegerField(default=0)
     result = models.JSONField(null=True, blank=True)
     error = models.TextField(blank=True)
+    # Exception type + normalised message of the last failure: the same failure twice
+    # means retrying will not help (the task then needs a human).
+    failure_fingerprint = models.CharField(max_length=64, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
@@ -124,6 +127,7 @@ class WalStatus(models.TextChoices):
     PENDING = "pending"
     DONE = "done"
     FAILED = "failed"
+    SKIPPED = "skipped"  # a reviewer decided the task goes on without this effect
 
 
 class WalEntry(models.Model):

@@ -31,3 +31,29 @@ def task_page(qs: QuerySet[Task], *, before: int | None = None, limit: int = PAG
 
 def task_detail(task_id: int) -> Task:
     return Task.objects.select_related("created_by").get(pk=task_id)
+
+
+def task_export(task_id: int) -> dict:
+    """The full context of a task, for a human to investigate (JSON-serialisable)."""
+    from django.forms.models import model_to_dict
+
+    from review.models import ReviewItem
+
+    from .models import AuditEntry, Snapshot, Step, TaskEvent, WalEntry
+
+    task = Task.objects.get(pk=task_id)
+
+    def rows(qs):
+        return [model_to_dict(obj) | {"id": obj.pk} for obj in qs]
+
+    last_snapshot = Snapshot.objects.filter(task=task).order_by("-version").first()
+    return {
+        "task": model_to_dict(task) | {"id": task.pk, "created_at": task.created_at, "updated_at": task.updated_at},
+        "steps": rows(Step.objects.filter(task=task).order_by("position")),
+        "wal": rows(WalEntry.objects.filter(task=task).order_by("id")),
+        "last_snapshot": model_to_dict(last_snapshot) if last_snapshot else None,
+        "events": list(TaskEvent.objects.filter(task=task).order_by("seq").values("seq", "kind", "payload", "created_at")),
+        "audit": list(AuditEntry.objects.filter(task=task).order_by("at", "id").values(
+            "at", "actor_name", "ip", "action", "before", "after", "reason")),
+        "reviews": rows(ReviewItem.objects.filter(task=task).order_by("id")),
+    }

@@ -12,4 +12,5 @@ urlpatterns = [
     path("tasks/new/", views.task_new, name="task_new"),
     path("tasks/<int:task_id>/", views.task_detail, name="task_detail"),
     path("tasks/<int:task_id>/control/", views.task_control, name="task_control"),
+    path("review/", include("review.urls")),
 ]

@@ -36,15 +36,34 @@ TEXTAREA_MIN_LENGTH = 300  # strings allowed to be longer than this get a textar
 
 # --- access -------------------------------------------------------------------------------
 
+def _once(count):
+    """A template value computed on first use only (templates call callables), so pages
+    that do not show the nav (the admin, JSON) do not pay for its COUNT queries."""
+    cache = []
+
+    def value():
+        if not cache:
+            cache.append(count())
+        return cache[0]
+    return value
+
+
 def nav_context(request):
-    """Context processor: the user's roles for the navigation and the buttons."""
+    """Context processor: the user's roles for the navigation and the buttons, and the
+    counts behind the nav badges (open review items, tasks that need a human)."""
     user = getattr(request, "user", None)
     user_roles = roles.user_roles(user) if user is not None else set()
-    return {
+    context = {
         "roles": user_roles,
         "can_operate": roles.OPERATOR in user_roles,
         "can_review": roles.REVIEWER in user_roles,
     }
+    if getattr(user, "is_authenticated", False):
+        from review.selectors import open_count
+
+        context["open_reviews"] = _once(open_count)
+        context["needs_human"] = _once(Task.objects.filter(status=TaskStatus.NEEDS_HUMAN).count)
+    return context
 
 
 def viewer_required(view):

@@ -13,13 +13,16 @@ from orchestrator.models import (
     ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, Snapshot, Step,
     Task, TaskEvent, WalEntry,
 )
+from review.models import ReviewItem
+from review.services import review_decide, review_open
 
 pytestmark = pytest.mark.django_db
 
 PROJECT_APPS = ("orchestrator", "review")
-HARNESS_MODELS = [Task, Step, WalEntry, Snapshot, TaskEvent, IdempotencyRecord, AuditEntry]
+HARNESS_MODELS = [Task, Step, WalEntry, Snapshot, TaskEvent, IdempotencyRecord, AuditEntry, ReviewItem]
 TASK_RECORD_MODELS = [Step, WalEntry, Snapshot, TaskEvent, AuditEntry]
 APPEND_ONLY = [AuditEntry, WalEntry]
+READ_ONLY = [ReviewItem]  # decisions go through the review page or the API, which audit them
 REGISTERED = sorted(admin.site._registry, key=lambda m: m._meta.label)
 
 
@@ -50,7 +53,12 @@ def records(superuser):
     DemoDestination.objects.create(id=1, amount="1.5")
     DemoContractExtraction.objects.create(contract="c1", task=task)
     other = services.task_create(type="demo.contracts", params={}, title="beta contracts")
-    return {"task": Task.objects.get(pk=task.pk), "other": other, "step": step, "wal": wal}
+    send = WalEntry.objects.create(task=task, step_id="send-001", call_index=0, tool="email.send",
+                                   idempotency_key="alpha-send-key", idempotent=False, lease_epoch=1,
+                                   args={"to": "a@example.org", "subject": "s"}, worker="host:1")
+    review = review_open(entry=send, reason="worker host:1 died mid-send", dead_worker="host:1")
+    return {"task": Task.objects.get(pk=task.pk), "other": other, "step": step, "wal": wal, "send": send,
+            "review": review}
 
 
 def result_ids(response) -> set:
@@ -224,6 +232,58 @@ def test_a_task_cannot_be_deleted_as_that_would_take_its_wal_and_audit_with_it(c
     assert Task.objects.filter(pk=task.pk).exists()
     assert WalEntry.objects.filter(task=task).exists()
     assert set(AuditEntry.objects.filter(task=task).values_list("pk", flat=True)) == audit
+
+
+# --- the review queue is read-only here ----------------------------------------------------
+
+def test_review_items_cannot_be_added_changed_or_deleted(client, superuser, records):
+    client.force_login(superuser)
+    item = records["review"]
+    before = _snapshot(item)
+    tampered = {"status": "decided", "decision": "happened", "note": "tampered"}
+    assert client.get(url(ReviewItem, "add")).status_code == 403
+    assert client.post(url(ReviewItem, "add"), tampered).status_code == 403
+    page = client.get(url(ReviewItem, "change", item.pk))
+    assert page.status_code == 200
+    assert client.post(url(ReviewItem, "change", item.pk), tampered).status_code == 403
+    assert client.post(url(ReviewItem, "delete", item.pk), {"post": "yes"}).status_code == 403
+    assert "delete_selected" not in client.get(url(ReviewItem, "changelist")).content.decode()
+    client.post(url(ReviewItem, "changelist"), {"action": "delete_selected", "_selected_action": [item.pk],
+                                                "post": "yes"})
+    item.refresh_from_db()
+    assert _snapshot(item) == before
+
+
+def test_review_item_links_to_its_task_wal_entry_and_review_page(client, superuser, records):
+    client.force_login(superuser)
+    item, task = records["review"], records["task"]
+    page = client.get(url(ReviewItem, "change", item.pk)).content.decode()
+    assert url(Task, "change", task.pk) in page
+    assert url(WalEntry, "change", records["send"].pk) in page
+    assert reverse("review:detail", args=[item.pk]) in page
+    listed = client.get(url(ReviewItem, "changelist")).content.decode()
+    assert url(Task, "change", task.pk) in listed and "alpha-send-key" in listed
+
+
+def test_review_search_filters_and_dates(client, superuser, records):
+    client.force_login(superuser)
+    item, task, other = records["review"], records["task"], records["other"]
+    send2 = WalEntry.objects.create(task=other, step_id="post-001", call_index=0, tool="http.post",
+                                    idempotency_key="beta-post-key", idempotent=False, lease_epoch=1)
+    second = review_open(entry=send2, reason="worker host:2 died", dead_worker="host:2")
+    review_decide(item_id=second.pk, decision="skip", note="checked the partner's ledger", actor=superuser)
+    changelist = url(ReviewItem, "changelist")
+    assert result_ids(client.get(changelist)) == {item.pk, second.pk}
+    assert result_ids(client.get(changelist, {"status__exact": "open"})) == {item.pk}
+    assert result_ids(client.get(changelist, {"decision__exact": "skip"})) == {second.pk}
+    assert result_ids(client.get(changelist, {"wal_entry__tool": "email.send"})) == {item.pk}
+    assert result_ids(client.get(changelist, {"q": "alpha-send-key"})) == {item.pk}
+    assert result_ids(client.get(changelist, {"q": str(other.pk)})) == {second.pk}
+    assert result_ids(client.get(changelist, {"q": "partner's ledger"})) == {second.pk}
+    assert result_ids(client.get(changelist, {"task__id__exact": task.pk})) == {item.pk}
+    year = item.detected_at.year
+    assert result_ids(client.get(changelist, {"detected_at__year": year})) == {item.pk, second.pk}
+    assert result_ids(client.get(changelist, {"detected_at__year": year - 5})) == set()
 
 
 # --- staff without permissions ----------------------------------------------------------------

@@ -13,7 +13,9 @@ from django.urls import URLPattern, URLResolver, get_resolver
 
 from orchestrator.auth import token_issue
 from orchestrator.engine import services
-from orchestrator.models import AuditEntry, Task
+from orchestrator.models import AuditEntry, Task, WalEntry
+from review.models import ReviewItem
+from review.services import review_open
 
 TEST_CLIENT_IP = "127.0.0.1"  # REMOTE_ADDR of Django's test client
 LOGIN_URL = "/accounts/login/"
@@ -45,6 +47,10 @@ API_MATRIX = {
     ("get", "/api/tasks/{task_id}/snapshots"): (READ, None),
     ("get", "/api/tasks/{task_id}/events"): (READ, None),
     ("get", "/api/tasks/{task_id}/audit"): (READ, None),
+    ("get", "/api/tasks/{task_id}/export"): (READ, None),
+    ("get", "/api/reviews"): (READ, None),
+    ("get", "/api/reviews/{review_id}"): (READ, None),
+    ("post", "/api/reviews/{review_id}/decide"): (REVIEW, "review.decide"),
 }
 # What an allowed call answers, by kind.
 API_OK = {READ: {200}, CREATE: {201}, CONTROL: {200, 409}, REVIEW: {200, 409}}
@@ -58,7 +64,11 @@ PAGE_MATRIX = {
     ("POST", "tasks/new/", "create"): (CREATE, "task.create"),
     ("GET", "tasks/<int:task_id>/", None): (READ, None),
     **{("POST", "tasks/<int:task_id>/control/", action): (CONTROL, f"task.{action}") for action in CONTROL_ACTIONS},
+    ("GET", "review/", None): (READ, None),
+    ("GET", "review/<int:review_id>/", None): (READ, None),  # reviewers also get the decision form
+    ("POST", "review/<int:review_id>/", "decide"): (REVIEW, "review.decide"),
 }
+REVIEW_DECISION = {"decision": "skip", "note": "roles matrix"}
 PAGE_ROUTES_NOT_IN_MATRIX = ("admin/", "accounts/", "api/")
 
 
@@ -88,6 +98,24 @@ def new_task(*, paused: bool = False) -> Task:
     return Task.objects.get(pk=task.pk)
 
 
+def new_review(task: Task) -> ReviewItem:
+    """An open review item on `task` (now awaiting_review), as recovery would leave it."""
+    Task.objects.filter(pk=task.pk).update(status="awaiting_review")
+    entry = WalEntry.objects.create(task=task, step_id="send-001", call_index=0, tool="email.send",
+                                    args={"to": "a@example.org", "subject": "s"}, idempotency_key=f"t{task.pk}:send-001:0",
+                                    idempotent=False, lease_epoch=1, worker="host:1")
+    review_open(entry=entry, reason="roles matrix", dead_worker="host:1")
+    task.refresh_from_db()
+    return ReviewItem.objects.get(wal_entry=entry)
+
+
+def review_state(review: ReviewItem | None):
+    if review is None:
+        return None
+    return (ReviewItem.objects.filter(pk=review.pk).values_list("status", "decision", "decided_by").get(),
+            WalEntry.objects.get(pk=review.wal_entry_id).status)
+
+
 def bearer(user) -> dict:
     return {"HTTP_AUTHORIZATION": f"Bearer {token_issue(user=user)}"}
 
@@ -102,12 +130,14 @@ def assert_audited(*, user, action: str, task_id: int) -> None:
     assert entry.ip == TEST_CLIENT_IP
 
 
-def assert_nothing_written(*, audit_before: int, tasks_before: int, task: Task) -> None:
+def assert_nothing_written(*, audit_before: int, tasks_before: int, task: Task, review: ReviewItem | None = None,
+                           review_before=None) -> None:
     assert AuditEntry.objects.count() == audit_before, "a refused request wrote an audit entry"
     assert Task.objects.count() == tasks_before, "a refused request created a task"
     status = task.status
     task.refresh_from_db()
     assert task.status == status, "a refused request changed the task"
+    assert review_state(review) == review_before, "a refused request changed the review item"
 
 
 # --- the API ----------------------------------------------------------------------------------
@@ -135,6 +165,7 @@ def test_api_matrix(client, make_user, method, path, identity, auth):
     kind, action = API_MATRIX[(method, path)]
     user = make_identity(make_user, identity)
     task = new_task(paused=action == "task.resume")
+    review = new_review(task) if "{review_id}" in path else None
     headers = {}
     if auth == "session":
         client.force_login(user)
@@ -142,13 +173,15 @@ def test_api_matrix(client, make_user, method, path, identity, auth):
         headers = bearer(user)
     elif auth == "bad-token":
         headers = {"HTTP_AUTHORIZATION": "Bearer orch_not-a-real-token"}
-    url = path.replace("{task_id}", str(task.pk))
+    url = path.replace("{task_id}", str(task.pk)).replace("{review_id}", str(review.pk) if review else "")
     audit_before, tasks_before = AuditEntry.objects.count(), Task.objects.count()
+    review_before = review_state(review)
 
     if method == "get":
         response = client.get(url, **headers)
     else:
-        body = {"type": "demo.pipeline", "params": {}} if kind == CREATE else {"reason": "roles matrix"}
+        body = {CREATE: {"type": "demo.pipeline", "params": {}}, REVIEW: REVIEW_DECISION}.get(
+            kind, {"reason": "roles matrix"})
         response = client.post(url, body, content_type="application/json", **headers)
 
     expected = expected_api_statuses(identity, kind)
@@ -157,10 +190,11 @@ def test_api_matrix(client, make_user, method, path, identity, auth):
         f"expected {sorted(expected)}")
     if response.status_code in (401, 403):
         assert "detail" in response.json()
-        assert_nothing_written(audit_before=audit_before, tasks_before=tasks_before, task=task)
+        assert_nothing_written(audit_before=audit_before, tasks_before=tasks_before, task=task, review=review,
+                               review_before=review_before)
     elif kind == CREATE:
         assert_audited(user=user, action=action, task_id=response.json()["id"])
-    elif kind == CONTROL and response.status_code == 200:
+    elif kind in (CONTROL, REVIEW) and response.status_code == 200:
         assert_audited(user=user, action=action, task_id=task.pk)
 
 
@@ -213,15 +247,21 @@ def test_page_matrix(client, make_user, method, route, data, identity):
     kind, action = PAGE_MATRIX[(method, route, data)]
     user = make_identity(make_user, identity)
     task = new_task(paused=data == "resume")
+    review = new_review(task) if route.startswith("review/") else None
     if user is not None:
         client.force_login(user)
-    url = "/" + route.replace("<int:task_id>", str(task.pk))
+    url = "/" + route.replace("<int:task_id>", str(task.pk)).replace("<int:review_id>", str(review.pk) if review else "")
     audit_before, tasks_before = AuditEntry.objects.count(), Task.objects.count()
+    review_before = review_state(review)
+    nothing_written = dict(audit_before=audit_before, tasks_before=tasks_before, task=task, review=review,
+                           review_before=review_before)
 
     if method == "GET":
         response = client.get(url)
     elif data == "create":
         response = client.post(url, {"type": "demo.pipeline", "title": "from the matrix"})
+    elif data == "decide":
+        response = client.post(url, REVIEW_DECISION)
     else:
         response = client.post(url, {"action": data, "reason": "roles matrix"})
 
@@ -229,12 +269,20 @@ def test_page_matrix(client, make_user, method, route, data, identity):
     if identity == "anonymous":
         assert response.status_code == 302, where
         assert response["Location"].startswith(LOGIN_URL + "?next="), (where, response["Location"])
-        assert_nothing_written(audit_before=audit_before, tasks_before=tasks_before, task=task)
+        assert_nothing_written(**nothing_written)
     elif identity not in ALLOWED[kind]:
         assert response.status_code == 403, (where, response.status_code)
-        assert_nothing_written(audit_before=audit_before, tasks_before=tasks_before, task=task)
+        assert_nothing_written(**nothing_written)
     elif method == "GET":
         assert response.status_code == 200, (where, response.status_code)
+        if route == "review/<int:review_id>/":  # only reviewers get the decision form
+            has_form = b'data-testid="decision-form"' in response.content
+            assert has_form == (identity in ALLOWED[REVIEW]), (where, has_form)
+    elif data == "decide":
+        assert response.status_code == 302, (where, response.status_code, response.content[:500])
+        assert response["Location"] == "/review/"
+        assert_audited(user=user, action=action, task_id=task.pk)
+        assert ReviewItem.objects.get(pk=review.pk).decided_by == user
     elif data == "create":
         assert response.status_code == 302, (where, response.status_code, response.content[:500])
         created = Task.objects.exclude(pk=task.pk).get()

@@ -30,6 +30,7 @@ class PlanState:
     depends_on: dict[str, tuple[str, ...]]
     status: dict[str, str]
     attempts: dict[str, int] = field(default_factory=dict)
+    fingerprints: dict[str, str] = field(default_factory=dict)
 
     def done_count(self) -> int:
         return sum(1 for s in self.status.values() if s == StepStatus.DONE)
@@ -93,7 +94,8 @@ def _commit_step(*, lease, plan, step_id, result, reads, effects, started_at, to
 
 
 def commit_step_failure(*, lease: Lease, plan: PlanState, step_id: str, error: str, retrying: bool,
-                        effects: list[wal.CompletedEffect], started_at: datetime, reads: list[str]) -> None:
+                        effects: list[wal.CompletedEffect], started_at: datetime, reads: list[str],
+                        fingerprint: str = "") -> None:
     """Record a failed attempt (and the effects that did happen before the failure)."""
     now = timezone.now()
     attempts = plan.attempts.get(step_id, 0) + 1
@@ -106,11 +108,13 @@ def commit_step_failure(*, lease: Lease, plan: PlanState, step_id: str, error: s
         status = StepStatus.PENDING if retrying else StepStatus.FAILED
         Step.objects.filter(task=task, step_id=step_id).update(
             status=status, error=error[:10_000], attempts=attempts, reads=reads, started_at=started_at,
-            finished_at=now)
+            finished_at=now, **({"failure_fingerprint": fingerprint} if fingerprint else {}))
         create_event(task, task.event_seq, "step_failed", {
             "step": step_id, "attempt": attempts, "error": error[:500], "retrying": retrying})
     plan.attempts[step_id] = attempts
     plan.status[step_id] = status
+    if fingerprint:
+        plan.fingerprints[step_id] = fingerprint
 
 
 def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
@@ -124,7 +128,7 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
             states.transition(task, TaskStatus.RUNNING, reason="running on a worker",
                               extra={"worker": f"{lease.host}:{task.worker_pid}"})
         steps = list(Step.objects.filter(task=task).order_by("position")
-                     .values_list("step_id", "depends_on", "status", "attempts"))
+                     .values_list("step_id", "depends_on", "status", "attempts", "failure_fingerprint"))
         if not steps:
             specs = task_type.plan(params)
             known = set()
@@ -140,7 +144,7 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
             task.checkpoint_version += 1
             task.event_seq += 1
             task.save(update_fields=["steps_total", "checkpoint_version", "event_seq", "updated_at"])
-            steps = [(s.id, list(s.depends_on), StepStatus.PENDING, 0) for s in specs]
+            steps = [(s.id, list(s.depends_on), StepStatus.PENDING, 0, "") for s in specs]
             plan = _plan_from(steps)
             save_snapshot(task, plan.snapshot_state(task), "")
             create_event(task, task.event_seq, "planned", {"steps": [s.id for s in specs][:200],
@@ -151,10 +155,12 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
 
 def _plan_from(rows) -> PlanState:
     plan = PlanState(order=[], depends_on={}, status={}, attempts={})
-    for step_id, depends_on, status, attempts in rows:
+    for step_id, depends_on, status, attempts, fingerprint in rows:
         plan.order.append(step_id)
         plan.depends_on[step_id] = tuple(depends_on)
-        # A step that was running when its worker died starts again.
-        plan.status[step_id] = StepStatus.PENDING if status == StepStatus.RUNNING else status
+        # A step that was running when its worker died, or failed before a resume, runs again.
+        plan.status[step_id] = StepStatus.PENDING if status in (StepStatus.RUNNING, StepStatus.FAILED) else status
         plan.attempts[step_id] = attempts
+        if fingerprint:
+            plan.fingerprints[step_id] = fingerprint
     return plan

@@ -16,8 +16,9 @@ from django.db.models import Q
 from django.utils import timezone
 
 from ..conf import harness
-from ..models import Task, TaskStatus as S
+from ..models import IdempotencyRecord, Task, TaskStatus as S, WalEntry, WalStatus
 from . import scheduler, states
+from .events import append_event
 
 log = logging.getLogger(__name__)
 
@@ -71,18 +72,70 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "") -> bool:
                               action="recovery", lease_owner="", control="", activities=[])
             log.info("recovery: settled operator request", extra={**extra, "resume_strategy": target})
             return True
-        # Keep status `running` (the claim CAS accepts stale heartbeats); bump the epoch
-        # now so the dead worker is fenced even before the next one claims.
-        Task.objects.filter(pk=task.pk).update(recovery_attempts=attempt, lease_owner="",
-                                               lease_epoch=task.lease_epoch + 1, heartbeat_at=timezone.now())
-        task.recovery_attempts = attempt
-        from .events import append_event
-
+        # Fence the dead worker now (epoch + 1), even before the next one claims.
+        task.recovery_attempts, task.lease_owner = attempt, ""
+        task.lease_epoch += 1
+        task.heartbeat_at = timezone.now()
+        task.save(update_fields=["recovery_attempts", "lease_owner", "lease_epoch", "heartbeat_at", "updated_at"])
         append_event(task, "recovery", {"attempt": attempt, "dead_worker": dead_worker, "cause": cause,
                                         "checkpoint_version": task.checkpoint_version})
+        in_doubt = settle_pending_wal(task, dead_worker=dead_worker, cause=cause, extra=extra)
+        if in_doubt:
+            states.transition(task, S.AWAITING_REVIEW, action="recovery",
+                              reason=f"{len(in_doubt)} side effect(s) in doubt after worker {dead_worker} died")
+            log.warning("recovery: awaiting review", extra={**extra, "resume_strategy": "awaiting_review"})
+            return True
+        problem = resources_problem(task)
+        if problem:
+            states.transition(task, S.NEEDS_HUMAN, action="recovery", reason=f"cannot continue: {problem}")
+            log.warning("recovery: resources invalid", extra={**extra, "resume_strategy": "needs_human"})
+            return True
+        if task.status != S.RUNNING and task.status != S.QUEUED:
+            states.transition(task, S.QUEUED, action="recovery", reason="re-queued after recovery")
         scheduler.enqueue(task.pk)
     log.info("recovery: re-queued from checkpoint", extra={**extra, "resume_strategy": "requeue_from_checkpoint"})
     return True
+
+
+def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict) -> list:
+    """Decide what to do with each side effect the dead worker left `pending`.
+
+    - its key is in the idempotency store: it happened; reuse the recorded result;
+    - the tool is idempotent: leave it pending; the step replays it with the same key;
+    - otherwise nobody knows whether it happened: open a review item (never guess).
+    Returns the review items opened.
+    """
+    from review.services import review_open
+
+    opened = []
+    for entry in WalEntry.objects.filter(task=task, status=WalStatus.PENDING).order_by("id"):
+        record = IdempotencyRecord.objects.filter(key=entry.idempotency_key).first()
+        log_extra = {**extra, "event_id": entry.pk}
+        if record is not None:
+            WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.DONE, result=record.result,
+                                                        completed_at=timezone.now())
+            log.info("recovery: effect recorded in the idempotency store; reusing its result",
+                     extra={**log_extra, "resume_strategy": "reuse_recorded_result"})
+        elif entry.idempotent:
+            log.info("recovery: idempotent effect will be replayed with the same key",
+                     extra={**log_extra, "resume_strategy": "replay_idempotent"})
+        else:
+            opened.append(review_open(entry=entry, dead_worker=dead_worker or entry.worker, reason=(
+                f"Worker {dead_worker or entry.worker} stopped ({cause}) after writing the intent for "
+                f"{entry.tool} at {entry.created_at:%Y-%m-%d %H:%M:%S} UTC and before recording its outcome. "
+                f"{entry.tool} is not idempotent: repeating it could do it twice, skipping it could lose it.")))
+    return opened
+
+
+def resources_problem(task: Task) -> str:
+    """The task type's own check of its external resources, before it continues."""
+    from ..tasktypes import get_type
+
+    try:
+        get_type(task.type).validate_resources(task)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
 
 
 def sweep_loop(interval: float | None = None) -> None:

@@ -9,7 +9,9 @@ The loop ends when every step is done, a step fails for good, an effect is ambig
 was lost, or the time slice is used up (the task re-enqueues itself and any worker
 continues it from its checkpoint).
 """
+import hashlib
 import logging
+import re
 import threading
 import time
 import traceback
@@ -27,7 +29,7 @@ from . import checkpoint, lease as leases, scheduler, states
 from .cancellation import CancellationToken, Cancelled
 from .context import LimitExceeded, StepContext
 from .lease import Lease, LeaseLost
-from .wal import AmbiguousEffect
+from .wal import AmbiguousEffect, EffectFailed
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,13 @@ class InFlight:
     step_id: str
     ctx: StepContext
     started_at: datetime
+
+
+def failure_fingerprint(exc: BaseException) -> str:
+    """Exception type + message with the volatile parts (numbers, hex ids, addresses)
+    normalised: two failures with one fingerprint are the same failure."""
+    message = re.sub(r"0x[0-9a-fA-F]+|\b[0-9a-f]{8,}\b|\d+", "#", str(exc))
+    return hashlib.sha256(f"{type(exc).__module__}.{type(exc).__qualname__}:{message}".encode()).hexdigest()[:32]
 
 
 def close_thread_connections(pool: ThreadPoolExecutor) -> None:
@@ -131,6 +140,7 @@ class Runner:
         self.control: str = ""
         self.lease_lost = False
         self.failure: str = ""
+        self.needs_human: str = ""
         self.ambiguous: list = []
         self.not_before: dict[str, float] = {}
         self.started = time.monotonic()
@@ -224,7 +234,7 @@ class Runner:
             return "lease lost"
         if self.control:
             return self.control
-        if self.failure or self.ambiguous:
+        if self.failure or self.ambiguous or self.needs_human:
             return "failure"
         if self.limit_reached():
             return "limit"
@@ -302,13 +312,19 @@ class Runner:
             return
         except Exception as exc:  # the step's own failure: retry with backoff, then fail the task
             attempts = self.plan.attempts.get(step_id, 0) + 1
-            retrying = attempts < harness.step_max_attempts and not self.token.cancelled
+            cause = exc.error if isinstance(exc, EffectFailed) else exc
+            fingerprint = failure_fingerprint(cause)
+            repeated = self.plan.fingerprints.get(step_id) == fingerprint
+            retrying = attempts < harness.step_max_attempts and not self.token.cancelled and not repeated
             error = f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_tb(exc.__traceback__)[-3:])}"
             log.warning("step failed (attempt %s)%s", attempts, ", retrying" if retrying else "", extra=extra)
-            self.record_failure(flight, error, retrying=retrying)
+            self.record_failure(flight, error, retrying=retrying, fingerprint=fingerprint)
             if retrying:
                 delay = min(RETRY_BACKOFF_BASE_SECONDS * 2 ** (attempts - 1), RETRY_BACKOFF_MAX_SECONDS)
                 self.not_before[step_id] = time.monotonic() + delay
+            elif repeated:
+                self.needs_human = (f"step {step_id} failed twice the same way ({type(cause).__name__}: "
+                                    f"{str(cause)[:200]}); retrying will not help")
             else:
                 self.failure = f"step {step_id} failed after {attempts} attempts: {type(exc).__name__}: {exc}"
             return
@@ -326,12 +342,12 @@ class Runner:
         self.not_before.pop(step_id, None)
         log.debug("step committed", extra={**extra, "checkpoint_version": version})
 
-    def record_failure(self, flight: InFlight, error: str, *, retrying: bool) -> None:
+    def record_failure(self, flight: InFlight, error: str, *, retrying: bool, fingerprint: str = "") -> None:
         try:
             checkpoint.commit_step_failure(
                 lease=self.lease, plan=self.plan, step_id=flight.step_id, error=error, retrying=retrying,
                 effects=flight.ctx.completed_effects, started_at=flight.started_at,
-                reads=flight.ctx.params.keys_read)
+                reads=flight.ctx.params.keys_read, fingerprint=fingerprint)
         except LeaseLost:
             self.lose_lease()
 
@@ -375,9 +391,19 @@ class Runner:
             states.transition(task, S.COMPLETED, reason="all steps done", **released)
             return S.COMPLETED
         if self.ambiguous:
+            from review.services import review_open
+
             keys = ", ".join(e.idempotency_key for e in self.ambiguous)
+            for entry in self.ambiguous:
+                review_open(entry=entry, dead_worker=entry.worker,
+                            reason=f"The step was retried and found this {entry.tool} intent still pending: an "
+                                   f"earlier attempt (worker {entry.worker}) failed after writing the intent, so "
+                                   f"whether the effect happened is unknown.")
             states.transition(task, S.AWAITING_REVIEW, reason=f"side effect in doubt: {keys}", **released)
             return S.AWAITING_REVIEW
+        if self.needs_human:
+            states.transition(task, S.NEEDS_HUMAN, reason=self.needs_human[:500], error=self.needs_human, **released)
+            return S.NEEDS_HUMAN
         if self.failure:
             states.transition(task, S.FAILED, reason=self.failure[:500], error=self.failure, **released)
             return S.FAILED

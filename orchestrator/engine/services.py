@@ -130,8 +130,11 @@ def task_resume(*, task_id: int, limits: dict | None = None, actor=None, ip=None
         task = states.lock_task(task_id)
         if task.status in (S.QUEUED, S.RUNNING) and not limits:
             return task
-        if task.status != S.PAUSED:
-            raise states.InvalidTransition(task, S.QUEUED, f"Task #{task.pk} is {task.status}; only a paused task can be resumed.")
+        if task.status not in (S.PAUSED, S.NEEDS_HUMAN):
+            why = {S.AWAITING_REVIEW: " It continues by itself once its review items are decided."}.get(task.status, "")
+            raise states.InvalidTransition(
+                task, S.QUEUED, f"Task #{task.pk} is {task.status}; only a paused task or one that needs a human "
+                                f"can be resumed.{why}")
         before = {"status": task.status, "limits": task.limits}
         if limits:
             task.limits = {**task.limits, **validate_limits({**task.limits, **limits})}
@@ -140,7 +143,8 @@ def task_resume(*, task_id: int, limits: dict | None = None, actor=None, ip=None
             raise states.InvalidTransition(
                 task, S.QUEUED, f"Task #{task.pk} paused because {limit} ran out; raise {limit} to resume it.")
         states.transition(task, S.QUEUED, reason=reason or "resumed by an operator", actor=actor, ip=ip,
-                          action="task.resume", control="")
+                          action="task.resume", control="", lease_owner="",
+                          recovery_attempts=0 if task.status == S.NEEDS_HUMAN else task.recovery_attempts)
         if limits:
             audit(action="task.limits", actor=actor, ip=ip, task=task, before=before, after={"limits": task.limits})
         scheduler.enqueue(task.pk)

@@ -12,7 +12,9 @@ TERMINAL = frozenset({S.COMPLETED, S.FAILED, S.STOPPED, S.TERMINATED})
 ACTIVE = frozenset({S.RUNNING, S.PAUSING, S.STOPPING})
 
 TRANSITIONS: dict[str, frozenset[str]] = {
-    S.QUEUED: frozenset({S.RUNNING, S.PAUSED, S.STOPPED, S.TERMINATED, S.NEEDS_HUMAN}),
+    # queued -> awaiting_review: a claimed task whose executor died before it ran, with
+    # a side effect from an earlier run still in doubt.
+    S.QUEUED: frozenset({S.RUNNING, S.PAUSED, S.STOPPED, S.TERMINATED, S.NEEDS_HUMAN, S.AWAITING_REVIEW}),
     # running -> queued: a recovered or time-sliced task waits for the next worker.
     S.RUNNING: frozenset({S.COMPLETED, S.FAILED, S.PAUSING, S.PAUSED, S.STOPPING, S.STOPPED,
                           S.TERMINATED, S.AWAITING_REVIEW, S.NEEDS_HUMAN, S.QUEUED}),
@@ -68,6 +70,11 @@ def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | N
         setattr(task, name, value)
     task.save()
     append_event(task, "status", {"from": before, "to": to, "reason": task.status_reason, **(extra or {})})
+    if to == S.NEEDS_HUMAN:
+        from ..notifications import notify_needs_human
+
+        task_id = task.pk
+        transaction.on_commit(lambda: notify_needs_human(task_id))
     AuditEntry.objects.create(
         actor=actor if actor is not None and getattr(actor, "is_authenticated", False) else None,
         actor_name=getattr(actor, "username", "") or "system",

@@ -66,7 +66,9 @@ def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args
 
     entry = WalEntry.objects.filter(idempotency_key=key).first()
     if entry is not None and entry.status == WalStatus.DONE:
-        return entry.result  # replay after a crash between `done` and the checkpoint
+        return entry.result  # decided by a reviewer, or recorded before a crash
+    if entry is not None and entry.status == WalStatus.SKIPPED:
+        return None  # a reviewer decided the task goes on without this effect
     recorded = IdempotencyRecord.objects.filter(key=key).first()
     if recorded is not None:
         if entry is not None:
@@ -84,8 +86,7 @@ def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args
         WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.PENDING, error="", completed_at=None)
     fault_point("after_intent", step_id)
     try:
-        fault_point("during_effect", step_id)
-        result = tool.perform(args, key=key, token=token)
+        result = tool.perform(args, key=key, token=token)  # tools hold the "during_effect" fault point
     except Exception as exc:
         mark_failed(entry.pk, exc)
         raise EffectFailed(entry.pk, exc) from exc

@@ -6,6 +6,7 @@ is written in the same transaction as the rows, so recovery can tell it happened
 from django.apps import apps
 from django.db import transaction
 
+from ..engine.faults import fault_point_for_key
 from .base import Tool, ToolError, register
 
 # Tables a task may write through this tool (an allow-list: the table name comes from args).
@@ -49,5 +50,6 @@ class DbUpsert(Tool):
             if objs:
                 model.objects.bulk_create(objs, update_conflicts=True, unique_fields=[pk],
                                           update_fields=[c for c in columns if c != pk], batch_size=500)
+            fault_point_for_key("during_effect", key)  # crash tests: rows written, not committed
             record_idempotency(key, self.name, result)
         return result

@@ -7,6 +7,7 @@ import re
 from django.conf import settings
 from django.core.mail import EmailMessage, get_connection
 
+from ..engine.faults import fault_point_for_key
 from .base import Tool, ToolError, register
 
 ADDRESS = re.compile(r"^[^@\s]+@[^@\s]+$")
@@ -37,7 +38,15 @@ class EmailSend(Tool):
                            headers={"Message-ID": message_id(key), "X-Idempotency-Key": key})
         try:
             with get_connection(fail_silently=False, timeout=settings.EMAIL_TIMEOUT) as connection:
+                fault_point_for_key("during_effect", key)  # crash tests: connected, not yet sent
                 sent = connection.send_messages([msg])
         except (OSError, Exception) as exc:
             raise ToolError(f"SMTP {settings.EMAIL_HOST}:{settings.EMAIL_PORT} refused the message: {exc}") from exc
         return {"sent": sent, "message_id": message_id(key), "to": recipients}
+
+    def evidence(self, args: dict, *, key: str) -> dict:
+        return {"message_id": message_id(key), "header": f"X-Idempotency-Key: {key}",
+                "to": args.get("to"), "subject": args.get("subject"),
+                "how_to_check": f"Look for Message-ID {message_id(key)} in the recipient's mailbox or the "
+                                f"SMTP server's log ({settings.EMAIL_HOST}:{settings.EMAIL_PORT}). Found: "
+                                f"'happened'. Not found: 'not_happened' (it is sent again with the same Message-ID)."}

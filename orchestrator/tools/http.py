@@ -8,6 +8,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
+from ..engine.faults import fault_point_for_key
 from .base import Tool, ToolError, register
 
 IDEMPOTENT_METHODS = {"GET", "HEAD", "PUT", "DELETE", "OPTIONS"}
@@ -60,6 +61,8 @@ def http_call(args: dict, *, token, idempotency_key: str | None = None) -> dict:
     """Perform one request: {method, url, headers?, json?|body?, timeout?}."""
     with token.track("http", f"{args.get('method', 'GET').upper()} {args['url']}"):
         response = open_request(args, token=token, idempotency_key=idempotency_key)
+        if idempotency_key:
+            fault_point_for_key("during_effect", idempotency_key)  # crash tests: sent, answer unread
         chunks, size = [], 0
         for chunk in iter_response(response, token=token, url=args["url"]):
             chunks.append(chunk)

@@ -629,7 +629,7 @@
     });
   }
 
-  function init() { return;
+  function init() {
     if (!("WebSocket" in window)) return;
     var list = qs("[data-live-list]");
     if (list) initList(list);

@@ -66,3 +66,34 @@ class Interruptible(TaskType):
                 for f in futures:
                     f.result()
         return {"step": step_id}
+
+
+class EffectsParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: str = Field(..., pattern="^(idempotent|keyed|nonidempotent)$")
+    url: str = ""
+    to: str = "someone@example.org"
+
+
+@register
+class Effects(TaskType):
+    """prepare -> one side effect of a tool class -> finish: the crash matrix's subject."""
+
+    name = "test.effects"
+    Params = EffectsParams
+
+    def plan(self, params):
+        return [StepSpec("prepare"), StepSpec("effect", depends_on=("prepare",), reads=("kind",)),
+                StepSpec("finish", depends_on=("effect",))]
+
+    def run_step(self, ctx, step_id):
+        if step_id != "effect":
+            return {"step": step_id}
+        kind = ctx.params.kind
+        if kind == "idempotent":
+            return ctx.effect("db.upsert", {"table": "demo_destination", "columns": ["id", "amount"],
+                                            "rows": [[900_000 + ctx.task_id, "42.5000"]]})
+        if kind == "keyed":
+            return ctx.effect("http.request", {"method": "POST", "url": ctx.params.url, "json": {"amount": 42},
+                                               "idempotency_key": True})
+        return ctx.effect("email.send", {"to": ctx.params.to, "subject": f"task {ctx.task_id}", "body": "hello"})

@@ -1,0 +1,101 @@
+"""Review decisions: the only code that opens and settles review items.
+
+A side effect whose outcome is unknown (a non-idempotent tool's WAL entry left `pending`
+by a dead worker) is never guessed: it opens a ReviewItem and the task waits in
+`awaiting_review`. A reviewer decides; when the task's last open item is decided, the
+task continues by itself.
+"""
+import logging
+
+from django.db import transaction
+from django.utils import timezone
+
+from orchestrator.engine import scheduler, states
+from orchestrator.engine.services import FieldError, InvalidInput, audit
+from orchestrator.models import IdempotencyRecord, TaskStatus as S, WalEntry, WalStatus
+from orchestrator.tools.base import get_tool
+
+from .models import Decision, ReviewItem, ReviewStatus
+
+log = logging.getLogger(__name__)
+
+
+class ReviewClosed(Exception):
+    """The item was decided already (HTTP 409)."""
+
+
+def review_open(*, entry: WalEntry, reason: str, dead_worker: str = "") -> ReviewItem:
+    """Open (or return the open) review item for a WAL entry in doubt; in the caller's transaction."""
+    existing = ReviewItem.objects.filter(wal_entry=entry).first()
+    if existing is not None:
+        return existing
+    try:
+        evidence = get_tool(entry.tool).evidence(entry.args, key=entry.idempotency_key)
+    except Exception as exc:  # evidence is a courtesy; its absence must not block the review
+        evidence = {"error": f"could not gather evidence: {exc}"}
+    item = ReviewItem.objects.create(task_id=entry.task_id, wal_entry=entry, reason=reason, dead_worker=dead_worker,
+                                     evidence=evidence)
+    log.warning("review opened", extra={"task_id": entry.task_id, "event_id": entry.pk,
+                                        "resume_strategy": "awaiting_review"})
+    return item
+
+
+def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=None, ip: str | None = None) -> ReviewItem:
+    errors = []
+    if decision not in Decision.values:
+        errors.append(FieldError("decision", f"must be one of {', '.join(Decision.values)}"))
+    if not (note or "").strip():
+        errors.append(FieldError("note", "a note is required: say what you checked"))
+    if errors:
+        raise InvalidInput(errors)
+    with transaction.atomic():
+        item = ReviewItem.objects.select_related("wal_entry").get(pk=item_id)
+        task = states.lock_task(item.task_id)
+        item = ReviewItem.objects.select_for_update().select_related("wal_entry").get(pk=item_id)
+        if item.status != ReviewStatus.OPEN:
+            raise ReviewClosed(f"Review #{item.pk} was already decided ({item.decision}) by "
+                               f"{item.decided_by or 'someone'}; nothing was changed.")
+        entry = item.wal_entry
+        before = {"wal_status": entry.status, "task_status": task.status}
+        now = timezone.now()
+        if decision == Decision.HAPPENED:
+            recorded = result if result is not None else {"confirmed_by_reviewer": True}
+            WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.DONE, result=recorded, completed_at=now)
+            IdempotencyRecord.objects.get_or_create(key=entry.idempotency_key,
+                                                    defaults={"tool": entry.tool, "result": recorded})
+        elif decision == Decision.NOT_HAPPENED:
+            # `failed` means "did not happen": the step performs it again with the same key.
+            WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.FAILED, completed_at=now,
+                                                        error=f"reviewer: did not happen ({note.strip()[:200]})")
+        elif decision == Decision.SKIP:
+            WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.SKIPPED, completed_at=now,
+                                                        error=f"reviewer: skipped ({note.strip()[:200]})")
+        _close(item, decision, note, result, actor, now)
+        audit(action="review.decide", actor=actor, ip=ip, task=task, reason=note,
+              before=before, after={"review": item.pk, "decision": decision, "wal_entry": entry.pk,
+                                    "idempotency_key": entry.idempotency_key, "result": result})
+        if decision == Decision.ABORT_TASK:
+            for other in ReviewItem.objects.filter(task=task, status=ReviewStatus.OPEN).exclude(pk=item.pk):
+                _close(other, Decision.ABORT_TASK, f"closed with review #{item.pk}: {note}", None, actor, now)
+            if task.status not in states.TERMINAL:
+                states.transition(task, S.FAILED, reason=f"aborted by reviewer: {note.strip()[:300]}", actor=actor,
+                                  ip=ip, action="review.abort_task", error=f"aborted in review #{item.pk}: {note}")
+        elif task.status == S.AWAITING_REVIEW and not ReviewItem.objects.filter(task=task, status=ReviewStatus.OPEN).exists():
+            states.transition(task, S.QUEUED, reason="every review decided; continuing", actor=actor, ip=ip,
+                              action="review.resume", lease_owner="")
+            scheduler.enqueue(task.pk)
+    log.info("review decided: %s", decision, extra={"task_id": task.pk, "event_id": entry.pk,
+                                                    "resume_strategy": f"review:{decision}"})
+    return item
+
+
+def _close(item: ReviewItem, decision: str, note: str, result, actor, now) -> None:
+    item.status, item.decision, item.note = ReviewStatus.DECIDED, decision, note.strip()
+    item.decision_result = result
+    item.decided_by = actor if getattr(actor, "is_authenticated", False) else None
+    item.decided_at = now
+    item.save()
+
+
+
+

@@ -1,0 +1,162 @@
+"""The review queue's pages: the queue (`/review/`) and one item (`/review/<id>/`), where a
+reviewer decides what happened to a side effect whose outcome is unknown.
+
+Thin, like the task pages: reads through review.selectors, the decision goes through
+review.services.review_decide (which validates, applies and audits it). Every page needs a
+logged-in user with a role; only reviewers get (and may POST) the decision form.
+"""
+import json
+from urllib.parse import urlencode
+
+from django.contrib import messages
+from django.core.exceptions import PermissionDenied
+from django.http import Http404
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_GET, require_http_methods
+
+from orchestrator import roles
+from orchestrator.engine.services import InvalidInput
+from orchestrator.models import Step
+from orchestrator.views import client_ip, viewer_required
+
+from . import selectors, services
+from .models import Decision, ReviewItem, ReviewStatus
+
+QUEUE_ROWS_SHOWN = 500
+OTHER_ITEMS_SHOWN = 100
+STATUS_CHOICES = (("open", "Open"), ("decided", "Decided"), ("all", "All"))
+FORM_FIELDS = ("decision", "note", "result")
+
+
+def require_reviewer(request) -> None:
+    if not roles.has_role(request.user, roles.REVIEWER):
+        raise PermissionDenied("Deciding review items needs the reviewer role; ask an administrator to add you "
+                               "to the 'reviewer' group.")
+
+
+def _json(value) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, default=str)
+
+
+# --- the queue ----------------------------------------------------------------------------
+
+@require_GET
+@viewer_required
+def review_list(request):
+    status = request.GET.get("status", "open").strip() or "open"
+    if status not in dict(STATUS_CHOICES):
+        status = "open"
+    tool = request.GET.get("tool", "").strip()
+    raw_task = request.GET.get("task", "").strip().lstrip("#")
+    task_id = int(raw_task) if raw_task.isdigit() else None
+
+    qs = selectors.review_list(status=status, task_id=task_id, tool=tool)
+    total = qs.count()
+    items = list(qs[:QUEUE_ROWS_SHOWN])
+    tools = sorted(set(ReviewItem.objects.values_list("wal_entry__tool", flat=True).distinct()) |
+                   ({tool} if tool else set()))
+    filters = {k: v for k, v in (("status", status if status != "open" else ""), ("tool", tool),
+                                 ("task", str(task_id) if task_id else "")) if v}
+    return render(request, "review/review_list.html", {
+        "items": items,
+        "total": total,
+        "truncated": total > len(items),
+        "status": status,
+        "status_choices": STATUS_CHOICES,
+        "tool": tool,
+        "tools": tools,
+        "task_filter": task_id or (raw_task if raw_task else ""),
+        "task_filter_invalid": bool(raw_task) and task_id is None,
+        "filters": filters,
+        "filter_query": urlencode(filters),
+    })
+
+
+# --- one item and its decision --------------------------------------------------------------
+
+def _get_item(review_id: int) -> ReviewItem:
+    try:
+        return selectors.review_detail(review_id)
+    except ReviewItem.DoesNotExist:
+        raise Http404(f"There is no review item #{review_id}.") from None
+
+
+def _empty_form() -> dict:
+    return {"values": {"decision": "", "note": "", "result": ""}, "errors": {name: [] for name in FORM_FIELDS},
+            "general_errors": []}
+
+
+def _detail_context(request, item: ReviewItem, form: dict) -> dict:
+    entry = item.wal_entry
+    evidence = item.evidence if isinstance(item.evidence, dict) else None
+    how_to_check = evidence.get("how_to_check") if evidence else None
+    evidence_rest = {k: v for k, v in evidence.items() if k != "how_to_check"} if evidence else None
+    others = list(ReviewItem.objects.filter(task_id=item.task_id).exclude(pk=item.pk)
+                  .select_related("wal_entry", "decided_by").order_by("detected_at", "id")[:OTHER_ITEMS_SHOWN])
+    return {
+        "item": item,
+        "task": item.task,
+        "entry": entry,
+        "step": Step.objects.filter(task_id=item.task_id, step_id=entry.step_id).only(
+            "step_id", "title", "status").first(),
+        "args_json": _json(entry.args),
+        "wal_result_json": _json(entry.result) if entry.result is not None else "",
+        "how_to_check": how_to_check,
+        "evidence": evidence_rest if evidence is not None else item.evidence,
+        "evidence_json": _json(evidence_rest if evidence is not None else item.evidence),
+        "decision_result_json": _json(item.decision_result) if item.decision_result is not None else "",
+        "decision_label": Decision(item.decision).label if item.decision in Decision.values else item.decision,
+        "others": others,
+        "is_open": item.status == ReviewStatus.OPEN,
+        "can_decide": item.status == ReviewStatus.OPEN and roles.has_role(request.user, roles.REVIEWER),
+        "decisions": Decision.choices,
+        "form": form,
+    }
+
+
+def _read_form(data) -> tuple[dict, dict]:
+    """(the form with the user's input and any local errors, the arguments for review_decide)"""
+    form = _empty_form()
+    values = form["values"]
+    values["decision"] = data.get("decision", "").strip()
+    values["note"] = data.get("note", "")
+    values["result"] = data.get("result", "")
+    result = None
+    if values["decision"] == Decision.HAPPENED and values["result"].strip():
+        try:
+            result = json.loads(values["result"])
+        except ValueError as exc:
+            form["errors"]["result"].append(f"Not valid JSON: {exc}")
+    return form, {"decision": values["decision"], "note": values["note"], "result": result}
+
+
+@require_http_methods(["GET", "POST"])
+@viewer_required
+def review_detail(request, review_id: int):
+    if request.method == "POST":
+        require_reviewer(request)
+    item = _get_item(review_id)
+    if request.method == "GET":
+        return render(request, "review/review_detail.html", _detail_context(request, item, _empty_form()))
+
+    form, decide = _read_form(request.POST)
+    if any(form["errors"].values()):
+        return render(request, "review/review_detail.html", _detail_context(request, item, form), status=422)
+    try:
+        services.review_decide(item_id=item.pk, actor=request.user, ip=client_ip(request), **decide)
+    except InvalidInput as exc:
+        for error in exc.errors:
+            if error.field in form["errors"]:
+                form["errors"][error.field].append(error.message)
+            else:
+                form["general_errors"].append(f"{error.field}: {error.message}" if error.field else error.message)
+        return render(request, "review/review_detail.html", _detail_context(request, item, form), status=422)
+    except services.ReviewClosed as exc:
+        form["general_errors"].append(str(exc))
+        return render(request, "review/review_detail.html",
+                      _detail_context(request, _get_item(review_id), form), status=409)
+    item = _get_item(review_id)
+    task = item.task
+    messages.success(request, f"Review #{item.pk} decided: {Decision(item.decision).label}. "
+                              f"Task #{task.pk} is now {task.status}.")
+    return redirect("review:queue")
