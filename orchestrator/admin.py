@@ -12,6 +12,8 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
+from review.models import ReviewItem
+
 from .models import (
     ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, Snapshot, Step,
     Task, TaskEvent, WalEntry,
@@ -337,4 +339,4 @@ class DemoContractExtractionAdmin(admin.ModelAdmin):
 
 
 # Every kind of record a task has, in the order the links show them.
-TASK_RECORD_MODELS = (Step, WalEntry, Snapshot, TaskEvent, AuditEntry)
+TASK_RECORD_MODELS = (Step, WalEntry, Snapshot, TaskEvent, AuditEntry, ReviewItem)

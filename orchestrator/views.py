@@ -354,7 +354,7 @@ def control_actions(task: Task) -> dict:
     status = task.status
     return {
         "pause": status in (TaskStatus.RUNNING, TaskStatus.QUEUED) and task.control != "pause",
-        "resume": status == TaskStatus.PAUSED,
+        "resume": status in (TaskStatus.PAUSED, TaskStatus.NEEDS_HUMAN),
         "stop": states.can_transition(status, TaskStatus.STOPPED) and status != TaskStatus.STOPPING,
         "terminate": states.can_transition(status, TaskStatus.TERMINATED),
     }

@@ -59,7 +59,8 @@ def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=
         before = {"wal_status": entry.status, "task_status": task.status}
         now = timezone.now()
         if decision == Decision.HAPPENED:
-            recorded = result if result is not None else {"confirmed_by_reviewer": True}
+            recorded = result if result is not None else get_tool(entry.tool).confirmed_result(
+                entry.args, key=entry.idempotency_key)
             WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.DONE, result=recorded, completed_at=now)
             IdempotencyRecord.objects.get_or_create(key=entry.idempotency_key,
                                                     defaults={"tool": entry.tool, "result": recorded})

@@ -43,4 +43,4 @@ class Notify(TaskType):
         index = int(step_id.split("-")[1]) - 1
         to = ctx.params.recipients[index]
         result = ctx.effect("email.send", {"to": to, "subject": ctx.params.subject, "body": ctx.params.body})
-        return {"to": to, "message_id": result["message_id"]}
+        return {"to": to, "message_id": (result or {}).get("message_id")}

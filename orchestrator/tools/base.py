@@ -25,6 +25,11 @@ class Tool:
     def perform(self, args: dict, *, key: str, token: CancellationToken) -> Any:
         raise NotImplementedError
 
+    def confirmed_result(self, args: dict, *, key: str):
+        """The result to record when a reviewer confirms the effect happened and gives none:
+        the shape the step expects from perform()."""
+        return {"confirmed_by_reviewer": True}
+
     def evidence(self, args: dict, *, key: str) -> dict | None:
         """What the tool can tell a reviewer about whether `key` happened (None: nothing)."""
         return None

@@ -44,6 +44,10 @@ class EmailSend(Tool):
             raise ToolError(f"SMTP {settings.EMAIL_HOST}:{settings.EMAIL_PORT} refused the message: {exc}") from exc
         return {"sent": sent, "message_id": message_id(key), "to": recipients}
 
+    def confirmed_result(self, args: dict, *, key: str) -> dict:
+        recipients = [args["to"]] if isinstance(args.get("to"), str) else list(args.get("to") or [])
+        return {"sent": 1, "message_id": message_id(key), "to": recipients, "confirmed_by_reviewer": True}
+
     def evidence(self, args: dict, *, key: str) -> dict:
         return {"message_id": message_id(key), "header": f"X-Idempotency-Key: {key}",
                 "to": args.get("to"), "subject": args.get("subject"),

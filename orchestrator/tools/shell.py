@@ -4,6 +4,7 @@ caller says the command is (`"idempotent": true`, e.g. a stage that rewrites its
 import os
 import signal
 import subprocess
+import threading
 import time
 
 from .base import Tool, ToolError, register
@@ -35,7 +36,11 @@ def run_in_group(argv: list[str], *, token, cwd: str | None = None, env: dict | 
     proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     with token.track("subprocess", f"pid {proc.pid}: {' '.join(argv)[:150]}"):
-        unregister = token.on_cancel(lambda reason: kill_group(proc))
+        # Killing takes up to TERM_GRACE_SECONDS: do it off the cancelling thread (the
+        # runner's supervisor), which must keep heartbeating and reporting.
+        unregister = token.on_cancel(
+            lambda reason: threading.Thread(target=kill_group, args=(proc,), name=f"kill-{proc.pid}",
+                                            daemon=True).start())
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -118,7 +118,6 @@ def test_operator_creates_a_task_and_the_page_follows_it_live(stack, new_page, m
     # It moved step by step while running, not in one jump at the end.
     seen = page.evaluate("window.__seen")
     progress = [done for status, done, rows in seen if status == "running"]
-    print("SEEN", seen)
     assert len({d for d in progress if 0 < d < 31}) >= 5, f"steps did not progress live while running: {seen}"
 
 

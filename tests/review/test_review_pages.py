@@ -157,7 +157,10 @@ def test_happened_records_the_result_and_the_task_continues(reviewer, review_ite
 def test_happened_without_a_result_is_confirmed_by_the_reviewer(reviewer, review_item):
     logged_in(reviewer).post(item_url(review_item), {"decision": "happened", "note": "seen", "result": "  "})
     entry = WalEntry.objects.get(pk=review_item.wal_entry_id)
-    assert entry.status == "done" and entry.result == {"confirmed_by_reviewer": True}
+    # The tool's own result shape (the step reads message_id), marked as confirmed by a person.
+    assert entry.status == "done" and entry.result["confirmed_by_reviewer"] is True
+    assert entry.result["message_id"].startswith("<") and entry.result["to"] == entry.args["to"] if isinstance(
+        entry.args["to"], list) else [entry.args["to"]]
 
 
 @pytest.mark.parametrize("decision,wal_status", [("not_happened", "failed"), ("skip", "skipped")])
