@@ -5,6 +5,7 @@ The snapshot holds the plan with step states, params and counters; step results 
 their Step rows (referenced by id) so a snapshot row stays small.
 """
 import logging
+import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -124,9 +125,13 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
 
     with transaction.atomic():
         task = lock_fenced(lease)
+        # worker.pid in the API: the process executing the steps (killing it is a crash).
+        task.worker_pid = os.getpid()
         if task.status == TaskStatus.QUEUED:
             states.transition(task, TaskStatus.RUNNING, reason="running on a worker",
                               extra={"worker": f"{lease.host}:{task.worker_pid}"})
+        else:
+            task.save(update_fields=["worker_pid"])
         steps = list(Step.objects.filter(task=task).order_by("position")
                      .values_list("step_id", "depends_on", "status", "attempts", "failure_fingerprint"))
         if not steps:

@@ -32,19 +32,14 @@ def run_isolated(lease: Lease) -> str:
 
     processes.become_subreaper()
     connections.close_all()  # a forked child must not share the parent's sockets
-    ready_read, ready_write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the executor
         code = 0
         try:
-            os.close(ready_write)
             os.setsid()
             processes.die_with_parent()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            # Start once the watchdog has recorded our pid as the task's worker.pid.
-            os.read(ready_read, 1)
-            os.close(ready_read)
             Runner(lease).run()
         except BaseException:
             log.exception("executor crashed", extra={"task_id": lease.task_id, "lease_epoch": lease.epoch})
@@ -54,13 +49,7 @@ def run_isolated(lease: Lease) -> str:
                 connections.close_all()
             finally:
                 os._exit(code)
-    os.close(ready_read)
-    watchdog = Watchdog(lease, pid)
-    # worker.pid in the API is the process that executes the steps.
-    lease.fenced().update(worker_pid=pid)
-    os.write(ready_write, b"1")
-    os.close(ready_write)
-    return watchdog.watch()
+    return Watchdog(lease, pid).watch()
 
 
 class Watchdog:

@@ -65,7 +65,8 @@ def claim(task_id: int) -> Lease | None:
             return None
         previous = task.lease_owner
         task.lease_epoch += 1
-        task.lease_owner, task.worker_host, task.worker_pid = owner, host, pid
+        # worker_pid is set by the process that executes the steps, when it starts.
+        task.lease_owner, task.worker_host, task.worker_pid = owner, host, None
         task.heartbeat_at = timezone.now()
         # The status becomes `running` when the executor starts (engine/checkpoint.py).
         task.save(update_fields=["lease_epoch", "lease_owner", "worker_host", "worker_pid", "heartbeat_at"])

@@ -1,0 +1,120 @@
+"""kill -9 -> the task runs again on a worker, at a 1 s heartbeat.
+
+    .venv/bin/python bench/recovery.py        # SQLite; DATABASE_URL=postgres://... for PostgreSQL
+
+Two crashes, with two worker clusters and a sweeper (`recover --loop`) running:
+- the executor (worker.pid in the API) is SIGKILLed: its watchdog hands the task over at once;
+- the whole worker host (cluster, watchdog, executor) is SIGKILLed: the sweeper notices the
+  stale heartbeat (ORCH_STALE_AFTER_SECONDS = 3 heartbeats) and the other cluster continues.
+"Running again" = a new lease epoch with a live executor. Target: <= 5 s p95.
+"""
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "orchestrator.settings")
+if "DATABASE_URL" not in os.environ:
+    os.environ["DATABASE_URL"] = f"sqlite:///{tempfile.mkdtemp()}/recovery-bench.sqlite3"
+os.environ.update({"ORCH_LOG_LEVEL": "WARNING", "ORCH_HEARTBEAT_SECONDS": "1", "ORCH_STALE_AFTER_SECONDS": "3",
+                   "ORCH_MAX_RECOVERY_ATTEMPTS": "1000"})
+os.environ.pop("REDIS_URL", None)
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "8"))
+
+import django  # noqa: E402
+
+django.setup()
+
+from django.core.management import call_command  # noqa: E402
+
+from orchestrator.engine import processes, services  # noqa: E402
+from orchestrator.models import Task  # noqa: E402
+
+
+def spawn(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "manage.py"), *args], cwd=ROOT,
+                            env={**os.environ, "ORCH_WORKERS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait(condition, timeout=60.0, interval=0.005):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        time.sleep(interval)
+
+
+def running(task_id: int, after_epoch: int):
+    t = Task.objects.get(pk=task_id)
+    return t if (t.status == "running" and t.lease_epoch > after_epoch and t.lease_owner and t.worker_pid
+                 and processes.alive(t.worker_pid) and t.worker_pid != getattr(running, "old", None)) else None
+
+
+def cluster_of(executor: int, clusters: list[subprocess.Popen]) -> subprocess.Popen:
+    pid = executor
+    while pid > 1:
+        for cluster in clusters:
+            if pid == cluster.pid:
+                return cluster
+        stat = processes._stat(pid)
+        if stat is None:
+            break
+        pid = stat[0]
+    raise LookupError(executor)
+
+
+def pct(values, q):
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+
+
+def main():
+    call_command("migrate", verbosity=0)
+    clusters = [spawn("qcluster"), spawn("qcluster")]
+    sweeper = spawn("recover", "--loop", "--interval", "0.5")
+    task = services.task_create(type="demo.pipeline", params={"stages": 100, "seconds_per_stage": 60})
+    executor_kills, host_kills = [], []
+    try:
+        current = wait(lambda: running(task.pk, 0))
+        for _ in range(ROUNDS):
+            running.old = current.worker_pid
+            killed_at = time.monotonic()
+            os.kill(current.worker_pid, signal.SIGKILL)
+            current = wait(lambda: running(task.pk, current.lease_epoch))
+            executor_kills.append(time.monotonic() - killed_at)
+        for _ in range(ROUNDS):
+            running.old = current.worker_pid
+            victim = cluster_of(current.worker_pid, clusters)
+            killed_at = time.monotonic()
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait()
+            current = wait(lambda: running(task.pk, current.lease_epoch))
+            host_kills.append(time.monotonic() - killed_at)
+            clusters = [c for c in clusters if c is not victim] + [spawn("qcluster")]  # the host comes back
+            time.sleep(2)  # let the new cluster start before the next crash
+        db = "postgresql" if "postgres" in os.environ["DATABASE_URL"] else "sqlite"
+        print(f"database: {db}; heartbeat 1 s, stale after 3 s; {ROUNDS} crashes each")
+        print(f"kill -9 executor (worker.pid) -> running again: p50 {pct(executor_kills, 50):5.2f} s  "
+              f"p95 {pct(executor_kills, 95):5.2f} s")
+        print(f"kill -9 whole worker host     -> running again: p50 {pct(host_kills, 50):5.2f} s  "
+              f"p95 {pct(host_kills, 95):5.2f} s   (target p95 <= 5 s)")
+    finally:
+        services.task_terminate(task_id=task.pk, reason="bench over")
+        for proc in [*clusters, sweeper]:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+if __name__ == "__main__":
+    main()
