@@ -13,7 +13,7 @@ from ninja.security import HttpBearer, SessionAuth
 
 from . import roles, selectors
 from .auth import token_user
-from .engine import services
+from .engine import revisions, services
 from .engine.states import InvalidTransition
 from .models import AuditEntry, Snapshot, Task, TaskEvent, WalEntry
 from .tasktypes import all_types
@@ -297,17 +297,80 @@ def terminate_task(request, task_id: int, body: ControlIn | None = None):
 
 
 class ResumeIn(ControlIn):
+    params: dict[str, Any] | None = None
     limits: dict[str, Any] | None = None
+    dry_run: bool = False
+    expected_version: int | None = None
 
 
-@api.post("/tasks/{task_id}/resume", response=CONTROL_RESPONSES, tags=["control"])
+class PreviewOut(Schema):
+    task_id: int
+    version: int
+    param_diff: dict
+    kept: list[str]
+    rerun: list[str]
+    removed: list[str]
+    pending: list[str]
+    repeated_effects: list[dict]
+    effects_after: list[dict]
+    blocking: list[dict]
+    can_apply: bool
+    rollback_to: int | None
+
+
+class RevisionOut(Schema):
+    applied: bool
+    preview: PreviewOut | None
+    task: TaskOut
+
+
+@api.post("/tasks/{task_id}/resume", response={200: RevisionOut, 409: ErrorOut, 422: ErrorOut, **ERRORS},
+          tags=["control"])
 def resume_task(request, task_id: int, body: ResumeIn | None = None):
-    """Resume a paused task from its checkpoint; `limits` raises the limits first."""
+    """Resume a paused task from its checkpoint. With `params`, the parameters are edited
+    first: `dry_run: true` returns the impact preview (which finished steps are kept, which
+    run again, which side effects that repeats, what blocks) and changes nothing; applying
+    it with the preview's `version` as `expected_version` is refused (409) if the task
+    changed meanwhile. `limits` raises limits (a task paused by a limit needs that)."""
     require(request, roles.OPERATOR)
-    get_task(task_id)
-    services.task_resume(task_id=task_id, limits=body.limits if body else None, actor=request.auth,
-                         ip=client_ip(request), reason=body.reason if body else "")
-    return task_out(get_task(task_id))
+    task = get_task(task_id)
+    body = body or ResumeIn()
+    preview = None
+    if body.params is not None:
+        new_params = services.validate_params(task.type, body.params)
+        if body.dry_run:
+            preview = revisions.preview_edit(task, new_params)[0]
+        else:
+            preview = revisions.apply_edit(task_id=task_id, new_params=new_params, expected_version=body.expected_version,
+                                           limits=body.limits, actor=request.auth, ip=client_ip(request))
+    elif body.dry_run:
+        preview = revisions.preview_edit(task, task.params)[0]
+    else:
+        services.task_resume(task_id=task_id, limits=body.limits, actor=request.auth, ip=client_ip(request),
+                             reason=body.reason)
+    return RevisionOut(applied=not body.dry_run, preview=preview.as_dict() if preview else None,
+                       task=task_out(get_task(task_id)))
+
+
+class RollbackIn(Schema):
+    version: int
+    dry_run: bool = False
+    expected_version: int | None = None
+
+
+@api.post("/tasks/{task_id}/rollback", response={200: RevisionOut, 409: ErrorOut, 422: ErrorOut, **ERRORS},
+          tags=["control"])
+def rollback_task(request, task_id: int, body: RollbackIn):
+    """Roll a paused task back to snapshot `version` and resume from there. The preview lists
+    the side effects performed after that version: they are not undone."""
+    require(request, roles.OPERATOR)
+    task = get_task(task_id)
+    if body.dry_run:
+        preview = revisions.preview_rollback(task, body.version)
+    else:
+        preview = revisions.apply_rollback(task_id=task_id, version=body.version, expected_version=body.expected_version,
+                                           actor=request.auth, ip=client_ip(request))
+    return RevisionOut(applied=not body.dry_run, preview=preview.as_dict(), task=task_out(get_task(task_id)))
 
 
 @api.get("/tasks/{task_id}/wal", response={200: list[WalOut], **ERRORS}, tags=["history"])

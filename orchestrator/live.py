@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 # slow commit is not missed. Repeats are harmless: hints are compared by seq.
 LOOKBACK = timedelta(seconds=5)
 MAX_REPLAY = 5000  # a client further behind than this is told to reload
+STEPS_SENT = 2000  # as many as the task page shows
 
 
 def poll_interval() -> float:
@@ -53,12 +54,13 @@ def task_state(task_id: int) -> dict | None:
     if task is None:
         return None
     steps = [{"id": s.step_id, "title": s.title, "status": s.status, "attempts": s.attempts,
+              "depends_on": s.depends_on, "reads": s.reads,
               "started_at": iso(s.started_at), "finished_at": iso(s.finished_at),
               "duration_seconds": s.duration_seconds, "error": s.error[:500]}
-             for s in Step.objects.filter(task_id=task_id).order_by("position")]
+             for s in Step.objects.filter(task_id=task_id).order_by("position")[:STEPS_SENT]]
     wal = [{"id": w.pk, "step_id": w.step_id, "tool": w.tool, "idempotency_key": w.idempotency_key,
-            "status": w.status, "created_at": iso(w.created_at), "completed_at": iso(w.completed_at),
-            "error": w.error[:300]}
+            "idempotent": w.idempotent, "status": w.status, "created_at": iso(w.created_at),
+            "completed_at": iso(w.completed_at), "error": w.error[:300]}
            for w in WalEntry.objects.filter(task_id=task_id).order_by("-id")[:500]]
     heartbeat_age = (timezone.now() - task.heartbeat_at).total_seconds() if task.heartbeat_at else None
     return {**task_summary(task), "checkpoint_version": task.checkpoint_version,

@@ -100,6 +100,9 @@ class Step(models.Model):
     reads = models.JSONField(default=list)
     status = models.CharField(max_length=20, choices=StepStatus.choices, default=StepStatus.PENDING)
     attempts = models.PositiveIntegerField(default=0)
+    # Bumped each time a parameter edit or a rollback resets the step: its side effects
+    # then get new idempotency keys (the old ones recorded the old params' effects).
+    generation = models.PositiveIntegerField(default=0)
     result = models.JSONField(null=True, blank=True)
     error = models.TextField(blank=True)
     # Exception type + normalised message of the last failure: the same failure twice

@@ -32,15 +32,20 @@ class PlanState:
     status: dict[str, str]
     attempts: dict[str, int] = field(default_factory=dict)
     fingerprints: dict[str, str] = field(default_factory=dict)
+    generations: dict[str, int] = field(default_factory=dict)
 
     def done_count(self) -> int:
         return sum(1 for s in self.status.values() if s == StepStatus.DONE)
 
     def snapshot_state(self, task: Task) -> dict:
-        return {"params": task.params, "limits": task.limits, "status": task.status,
-                "steps": {sid: self.status[sid] for sid in self.order},
-                "counters": {"steps_done": self.done_count(), "tokens_used": task.tokens_used,
-                             "active_seconds": round(task.active_seconds, 3)}}
+        state = {"params": task.params, "limits": task.limits, "status": task.status,
+                 "steps": {sid: self.status[sid] for sid in self.order},
+                 "counters": {"steps_done": self.done_count(), "tokens_used": task.tokens_used,
+                              "active_seconds": round(task.active_seconds, 3)}}
+        generations = {sid: g for sid, g in self.generations.items() if g}
+        if generations:  # only steps re-run after an edit or rollback
+            state["generations"] = generations
+        return state
 
 
 def save_snapshot(task: Task, state: dict, step_id: str = "") -> Snapshot:
@@ -132,8 +137,7 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
                               extra={"worker": f"{lease.host}:{task.worker_pid}"})
         else:
             task.save(update_fields=["worker_pid"])
-        steps = list(Step.objects.filter(task=task).order_by("position")
-                     .values_list("step_id", "depends_on", "status", "attempts", "failure_fingerprint"))
+        steps = plan_rows(task)
         if not steps:
             specs = task_type.plan(params)
             known = set()
@@ -149,7 +153,7 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
             task.checkpoint_version += 1
             task.event_seq += 1
             task.save(update_fields=["steps_total", "checkpoint_version", "event_seq", "updated_at"])
-            steps = [(s.id, list(s.depends_on), StepStatus.PENDING, 0, "") for s in specs]
+            steps = [(s.id, list(s.depends_on), StepStatus.PENDING, 0, "", 0) for s in specs]
             plan = _plan_from(steps)
             save_snapshot(task, plan.snapshot_state(task), "")
             create_event(task, task.event_seq, "planned", {"steps": [s.id for s in specs][:200],
@@ -158,9 +162,19 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
     return _plan_from(steps)
 
 
+def plan_rows(task: Task) -> list[tuple]:
+    return list(Step.objects.filter(task=task).order_by("position")
+                .values_list("step_id", "depends_on", "status", "attempts", "failure_fingerprint", "generation"))
+
+
+def snapshot_now(task: Task, step_id: str = "") -> Snapshot:
+    """A snapshot of the task as its Step rows stand (after a revision of the plan)."""
+    return save_snapshot(task, _plan_from(plan_rows(task)).snapshot_state(task), step_id)
+
+
 def _plan_from(rows) -> PlanState:
     plan = PlanState(order=[], depends_on={}, status={}, attempts={})
-    for step_id, depends_on, status, attempts, fingerprint in rows:
+    for step_id, depends_on, status, attempts, fingerprint, generation in rows:
         plan.order.append(step_id)
         plan.depends_on[step_id] = tuple(depends_on)
         # A step that was running when its worker died, or failed before a resume, runs again.
@@ -168,4 +182,6 @@ def _plan_from(rows) -> PlanState:
         plan.attempts[step_id] = attempts
         if fingerprint:
             plan.fingerprints[step_id] = fingerprint
+        if generation:
+            plan.generations[step_id] = generation
     return plan

@@ -55,9 +55,10 @@ class TrackedParams:
 
 class StepContext:
     def __init__(self, *, task_id: int, step_id: str, params: BaseModel, deps: dict[str, Any],
-                 lease: Lease, token: CancellationToken, runner=None):
+                 lease: Lease, token: CancellationToken, runner=None, generation: int = 0):
         self.task_id = task_id
         self.step_id = step_id
+        self.generation = generation
         self.params = TrackedParams(params)
         self.deps = deps
         self.lease = lease
@@ -76,7 +77,8 @@ class StepContext:
             call_index = self._call_index
             self._call_index += 1
         return wal.perform(lease=self.lease, step_id=self.step_id, call_index=call_index, tool_name=tool,
-                           args=args, token=self.token, completed=self.completed_effects)
+                           args=args, token=self.token, completed=self.completed_effects,
+                           generation=self.generation)
 
     def run_subprocess(self, argv: list[str], *, cwd: str | None = None, env: dict | None = None,
                        timeout: float | None = None) -> subprocess.CompletedProcess:

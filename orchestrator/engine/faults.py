@@ -30,7 +30,7 @@ def _configured() -> dict[str, str]:
 def fault_point_for_key(name: str, idempotency_key: str) -> None:
     """A fault point inside a tool, which knows the step only through its key."""
     parts = idempotency_key.split(":")
-    fault_point(name, parts[1] if len(parts) == 3 else "")
+    fault_point(name, parts[1].split("@")[0] if len(parts) == 3 else "")
 
 
 def fault_point(name: str, step_id: str = "") -> None:

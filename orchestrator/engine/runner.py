@@ -275,7 +275,8 @@ class Runner:
         for step_id in self.ready_steps(in_flight)[:max(0, capacity)]:
             ctx = StepContext(task_id=self.lease.task_id, step_id=step_id, params=self.params,
                               deps={d: self.results.get(d) for d in self.plan.depends_on[step_id]},
-                              lease=self.lease, token=self.token.child(step_id), runner=self)
+                              lease=self.lease, token=self.token.child(step_id), runner=self,
+                              generation=self.plan.generations.get(step_id, 0))
             in_flight[pool.submit(self.execute, ctx)] = InFlight(step_id, ctx, timezone.now())
 
     def execute(self, ctx: StepContext):

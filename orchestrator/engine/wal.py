@@ -53,16 +53,18 @@ class CompletedEffect:
     result: Any
 
 
-def idempotency_key(task_id: int, step_id: str, call_index: int) -> str:
-    return f"t{task_id}:{step_id}:{call_index}"
+def idempotency_key(task_id: int, step_id: str, call_index: int, generation: int = 0) -> str:
+    """Deterministic: the same step, generation and call give the same key on every replay."""
+    step = f"{step_id}@{generation}" if generation else step_id
+    return f"t{task_id}:{step}:{call_index}"
 
 
 def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args: dict, token,
-            completed: list[CompletedEffect]) -> Any:
+            completed: list[CompletedEffect], generation: int = 0) -> Any:
     """Run one side effect under the WAL protocol; append it to `completed` when it happened."""
     tool = get_tool(tool_name)
     tool.validate(args)
-    key = idempotency_key(lease.task_id, step_id, call_index)
+    key = idempotency_key(lease.task_id, step_id, call_index, generation)
 
     entry = WalEntry.objects.filter(idempotency_key=key).first()
     if entry is not None and entry.status == WalStatus.DONE:
@@ -80,7 +82,7 @@ def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args
     fault_point("before_intent", step_id)
     if entry is None:
         entry = write_intent(lease=lease, step_id=step_id, call_index=call_index, tool_name=tool_name,
-                             args=args, key=key, idempotent=tool.is_idempotent(args))
+                             args=tool.wal_args(args), key=key, idempotent=tool.is_idempotent(args))
     elif entry.status == WalStatus.FAILED:
         # A failed effect did not happen: the retry reuses the entry (and its key).
         WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.PENDING, error="", completed_at=None)

@@ -25,6 +25,11 @@ class Tool:
     def perform(self, args: dict, *, key: str, token: CancellationToken) -> Any:
         raise NotImplementedError
 
+    def wal_args(self, args: dict) -> dict:
+        """What the WAL records of the arguments: all of them, unless they are bulky and the
+        step can recompute them (a replay re-runs the step, not the WAL record)."""
+        return args
+
     def confirmed_result(self, args: dict, *, key: str):
         """The result to record when a reviewer confirms the effect happened and gives none:
         the shape the step expects from perform()."""

@@ -101,7 +101,8 @@ def test_pause_then_resume_of_a_queued_task(client, operator):
     headers = bearer(operator)
     assert client.post(f"/api/tasks/{task.pk}/pause", content_type="application/json", **headers).json()["status"] == "paused"
     assert client.post(f"/api/tasks/{task.pk}/pause", content_type="application/json", **headers).json()["status"] == "paused"  # idempotent
-    assert client.post(f"/api/tasks/{task.pk}/resume", content_type="application/json", **headers).json()["status"] == "queued"
+    resumed = client.post(f"/api/tasks/{task.pk}/resume", content_type="application/json", **headers).json()
+    assert resumed["applied"] and resumed["task"]["status"] == "queued"
 
 
 def test_history_endpoints(client, operator):

@@ -97,3 +97,32 @@ class Effects(TaskType):
             return ctx.effect("http.request", {"method": "POST", "url": ctx.params.url, "json": {"amount": 42},
                                                "idempotency_key": True})
         return ctx.effect("email.send", {"to": ctx.params.to, "subject": f"task {ctx.task_id}", "body": "hello"})
+
+
+class DiamondParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    x: int = 1
+    y: int = 1
+    z: int = 1
+
+
+@register
+class Diamond(TaskType):
+    """a (declares x; also reads z when x is odd) -> b (reads y) -> c; d is independent."""
+
+    name = "test.diamond"
+    Params = DiamondParams
+
+    def plan(self, params):
+        return [StepSpec("a", reads=("x",)), StepSpec("b", depends_on=("a",), reads=("y",)),
+                StepSpec("c", depends_on=("b",)), StepSpec("d")]
+
+    def run_step(self, ctx, step_id):
+        p = ctx.params
+        if step_id == "a":
+            return p.x + (p.z if p.x % 2 else 0)  # reads z only at run time, undeclared
+        if step_id == "b":
+            return ctx.deps["a"] * p.y
+        if step_id == "c":
+            return ctx.deps["b"] + 1
+        return "d"

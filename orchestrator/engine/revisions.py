@@ -1,0 +1,208 @@
+"""Revising a paused task: edit its parameters, or roll it back to a snapshot version.
+
+Both start with a preview (a dry run that changes nothing) and apply in one transaction,
+refusing (409) when the task changed since the preview.
+
+Impact of a parameter edit on each finished step:
+- unaffected: it read none of the changed keys (the keys it *actually* read at run time,
+  recorded by the step context) and depends on no invalidated step — kept as is;
+- invalidated: it read a changed key, or depends (transitively) on an invalidated step —
+  reset, and run again with new idempotency keys (a new step generation);
+- blocking: invalidated, but it performed a non-idempotent side effect (an email) that
+  cannot be redone — the edit cannot be applied; start a new task with the new params.
+The remaining plan is regenerated from the new params (a new batch_size means new batches).
+"""
+from dataclasses import asdict, dataclass, field
+
+from django.db import transaction
+
+from ..models import Snapshot, Step, StepStatus, Task, TaskStatus as S, WalEntry, WalStatus
+from ..tasktypes import get_type
+from . import scheduler, states
+from .checkpoint import snapshot_now
+from .events import append_event
+
+
+class StalePreview(states.InvalidTransition):
+    """The task changed since the preview was made (HTTP 409)."""
+
+
+@dataclass
+class Preview:
+    task_id: int
+    version: int  # the task's event seq when previewed: the apply refuses if it moved
+    param_diff: dict = field(default_factory=dict)  # key -> [old, new]
+    kept: list[str] = field(default_factory=list)
+    rerun: list[str] = field(default_factory=list)  # finished steps invalidated
+    removed: list[str] = field(default_factory=list)  # finished steps the new plan drops
+    pending: list[str] = field(default_factory=list)  # steps still to run (new plan)
+    repeated_effects: list[dict] = field(default_factory=list)  # side effects re-running repeats
+    effects_after: list[dict] = field(default_factory=list)  # rollback: effects after the version
+    blocking: list[dict] = field(default_factory=list)
+    can_apply: bool = True
+    rollback_to: int | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _effects(task: Task, step_ids) -> list[dict]:
+    return [{"step": w.step_id, "tool": w.tool, "idempotency_key": w.idempotency_key, "idempotent": w.idempotent,
+             "completed_at": w.completed_at.isoformat() if w.completed_at else None}
+            for w in WalEntry.objects.filter(task=task, step_id__in=list(step_ids), status=WalStatus.DONE).order_by("id")]
+
+
+def _require_paused(task: Task, what: str) -> None:
+    if task.status != S.PAUSED:
+        raise states.InvalidTransition(task, S.QUEUED, f"Task #{task.pk} is {task.status}; pause it before you {what}.")
+
+
+# --- parameter edits ------------------------------------------------------------------------
+
+def preview_edit(task: Task, new_params: dict) -> tuple[Preview, list]:
+    """The impact of replacing `task.params` by `new_params` (already validated)."""
+    _require_paused(task, "edit its parameters")
+    old = task.params
+    changed = {k for k in set(old) | set(new_params) if old.get(k) != new_params.get(k)}
+    preview = Preview(task_id=task.pk, version=task.event_seq,
+                      param_diff={k: [old.get(k), new_params.get(k)] for k in sorted(changed)})
+    task_type = get_type(task.type)
+    new_specs = task_type.plan(task_type.Params.model_validate(new_params))
+    new_ids = {spec.id for spec in new_specs}
+    steps = {s.step_id: s for s in Step.objects.filter(task=task).order_by("position")}
+    invalid: set[str] = set()
+    for step in steps.values():  # positions are a topological order: dependencies first
+        reads = set(step.reads if step.status == StepStatus.DONE else step.declared_reads)
+        if reads & changed or any(dep in invalid for dep in step.depends_on):
+            invalid.add(step.step_id)
+    done = [s for s in steps.values() if s.status == StepStatus.DONE]
+    for step in done:
+        if step.step_id not in new_ids:
+            preview.removed.append(step.step_id)
+        elif step.step_id in invalid:
+            preview.rerun.append(step.step_id)
+        else:
+            preview.kept.append(step.step_id)
+    redo = set(preview.rerun) | set(preview.removed)
+    preview.repeated_effects = [e for e in _effects(task, redo) if e["step"] in set(preview.rerun)]
+    for effect in _effects(task, redo):
+        if not effect["idempotent"]:
+            preview.blocking.append({"step": effect["step"], "tool": effect["tool"], "idempotency_key":
+                                     effect["idempotency_key"], "why": f"{effect['step']} already performed "
+                                     f"{effect['tool']} (not idempotent) with the old parameters; running it again "
+                                     f"would repeat it. Start a new task with the new parameters instead."})
+    preview.can_apply = not preview.blocking
+    kept = set(preview.kept)
+    preview.pending = [spec.id for spec in new_specs if spec.id not in kept]
+    return preview, new_specs
+
+
+def apply_edit(*, task_id: int, new_params: dict, expected_version: int | None, limits: dict | None = None,
+               actor=None, ip=None) -> Preview:
+    with transaction.atomic():
+        task = states.lock_task(task_id)
+        preview, new_specs = preview_edit(task, new_params)
+        _check_fresh(task, expected_version)
+        if not preview.can_apply:
+            raise states.InvalidTransition(task, S.QUEUED, preview.blocking[0]["why"])
+        before = {"params": task.params, "limits": task.limits, "checkpoint_version": task.checkpoint_version}
+        task.params = new_params
+        if limits:
+            from .services import validate_limits
+
+            task.limits = validate_limits({**task.limits, **limits})
+        _rewrite_plan(task, new_specs, keep=set(preview.kept))
+        append_event(task, "params_edited", {"diff": preview.param_diff, "rerun": preview.rerun[:200],
+                                             "removed": preview.removed[:200]})
+        states.transition(task, S.QUEUED, reason=f"parameters edited ({', '.join(preview.param_diff)}); resuming",
+                          actor=actor, ip=ip, action="task.edit_params",
+                          extra={"diff": preview.param_diff})
+        from .services import audit
+
+        audit(action="task.edit_params", actor=actor, ip=ip, task=task, before=before,
+              after={"params": new_params, "limits": task.limits, "preview": preview.as_dict()})
+        scheduler.enqueue(task.pk)
+    return preview
+
+
+def _check_fresh(task: Task, expected_version: int | None) -> None:
+    if expected_version is not None and expected_version != task.event_seq:
+        raise StalePreview(task, S.QUEUED, f"Task #{task.pk} changed since this preview (it is now at event "
+                           f"{task.event_seq}, the preview was made at {expected_version}); review the new preview.")
+
+
+def _rewrite_plan(task: Task, specs, *, keep: set[str]) -> None:
+    """Make the Step rows match `specs`: keep the `keep` steps' results, reset every other
+    step (new generation: new idempotency keys), drop steps no longer planned."""
+    existing = {s.step_id: s for s in Step.objects.filter(task=task)}
+    Step.objects.filter(task=task).exclude(step_id__in=[s.id for s in specs]).delete()
+    for position, spec in enumerate(specs):
+        step = existing.get(spec.id)
+        if step is None:
+            Step.objects.create(task=task, step_id=spec.id, position=position, title=spec.title or spec.id,
+                                depends_on=list(spec.depends_on), declared_reads=list(spec.reads))
+            continue
+        step.position, step.title = position, spec.title or spec.id
+        step.depends_on, step.declared_reads = list(spec.depends_on), list(spec.reads)
+        if spec.id not in keep and (step.status != StepStatus.PENDING or step.attempts):
+            step.status, step.result, step.error, step.reads = StepStatus.PENDING, None, "", []
+            step.attempts, step.failure_fingerprint = 0, ""
+            step.started_at = step.finished_at = None
+            step.generation += 1
+        step.save()
+    task.steps_total = Step.objects.filter(task=task).count()
+    task.steps_done = Step.objects.filter(task=task, status=StepStatus.DONE).count()
+    task.checkpoint_version += 1
+    task.save()
+    snapshot_now(task)
+
+
+# --- rollback ---------------------------------------------------------------------------------
+
+def preview_rollback(task: Task, version: int) -> Preview:
+    _require_paused(task, "roll it back")
+    snapshot = Snapshot.objects.filter(task=task, version=version).first()
+    if snapshot is None:
+        kept = list(Snapshot.objects.filter(task=task).order_by("version").values_list("version", flat=True))
+        raise states.InvalidTransition(task, S.QUEUED, f"Task #{task.pk} has no snapshot v{version}; "
+                                       f"the kept versions are {kept}.")
+    state = snapshot.state
+    at_version = state.get("steps", {})
+    gens_then = state.get("generations", {})
+    preview = Preview(task_id=task.pk, version=task.event_seq, rollback_to=version,
+                      param_diff={k: [task.params.get(k), state["params"].get(k)]
+                                  for k in sorted(set(task.params) | set(state["params"]))
+                                  if task.params.get(k) != state["params"].get(k)})
+    for step in Step.objects.filter(task=task, status=StepStatus.DONE).order_by("position"):
+        if at_version.get(step.step_id) == StepStatus.DONE and gens_then.get(step.step_id, 0) == step.generation:
+            preview.kept.append(step.step_id)
+        else:
+            preview.rerun.append(step.step_id)
+    preview.effects_after = _effects(task, preview.rerun)
+    task_type = get_type(task.type)
+    specs = task_type.plan(task_type.Params.model_validate(state["params"]))
+    preview.pending = [spec.id for spec in specs if spec.id not in set(preview.kept)]
+    return preview
+
+
+def apply_rollback(*, task_id: int, version: int, expected_version: int | None, actor=None, ip=None) -> Preview:
+    with transaction.atomic():
+        task = states.lock_task(task_id)
+        preview = preview_rollback(task, version)
+        _check_fresh(task, expected_version)
+        snapshot = Snapshot.objects.get(task=task, version=version)
+        before = {"params": task.params, "checkpoint_version": task.checkpoint_version}
+        task.params = snapshot.state["params"]
+        task_type = get_type(task.type)
+        specs = task_type.plan(task_type.Params.model_validate(task.params))
+        _rewrite_plan(task, specs, keep=set(preview.kept))
+        append_event(task, "rolled_back", {"to_version": version, "rerun": preview.rerun[:200],
+                                           "effects_after": len(preview.effects_after)})
+        states.transition(task, S.QUEUED, reason=f"rolled back to v{version}; resuming", actor=actor, ip=ip,
+                          action="task.rollback", extra={"to_version": version})
+        from .services import audit
+
+        audit(action="task.rollback", actor=actor, ip=ip, task=task, before=before,
+              after={"to_version": version, "params": task.params, "preview": preview.as_dict()})
+        scheduler.enqueue(task.pk)
+    return preview
