@@ -13,24 +13,16 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "orchestrator.settings")
-if "DATABASE_URL" not in os.environ:
-    os.environ["DATABASE_URL"] = f"sqlite:///{tempfile.mkdtemp()}/interrupt-bench.sqlite3"
-os.environ.setdefault("ORCH_LOG_LEVEL", "WARNING")
 os.environ.pop("REDIS_URL", None)
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "15"))
+from bench._django import database_label, setup  # noqa: E402
 
-import django  # noqa: E402
-
-django.setup()
-
-from django.core.management import call_command  # noqa: E402
+setup("interrupt-bench")
 
 from orchestrator.engine import processes, services  # noqa: E402
 from orchestrator.models import Task, WalEntry  # noqa: E402
@@ -57,7 +49,6 @@ def pct(values, q):
 
 
 def main():
-    call_command("migrate", verbosity=0)
     cluster = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "qcluster"], cwd=ROOT,
                                env={**os.environ, "ORCH_WORKERS": "2"}, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
@@ -79,8 +70,7 @@ def main():
             wait(lambda: not any(processes.alive(pid) for pid in tree), interval=0.001)
             kills.append((time.monotonic() - started) * 1000)
             wait(lambda: Task.objects.get(pk=task.pk).status == "terminated")
-        db = "postgresql" if "postgres" in os.environ["DATABASE_URL"] else "sqlite"
-        print(f"database: {db}; {ROUNDS} rounds each, demo.pipeline stage running in a subprocess")
+        print(f"database: {database_label()}; {ROUNDS} rounds each, demo.pipeline stage running in a subprocess")
         print(f"Stop -> runner acknowledges:            p50 {pct(acks, 50):6.1f} ms  p95 {pct(acks, 95):6.1f} ms"
               "   (target <= 100 / <= 250 ms)")
         print(f"Force-terminate -> all descendants gone: p50 {pct(kills, 50):6.1f} ms  p95 {pct(kills, 95):6.1f} ms"

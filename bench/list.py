@@ -6,24 +6,15 @@ text search — through the API and the HTML page.
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "orchestrator.settings")
-if "DATABASE_URL" not in os.environ:
-    os.environ["DATABASE_URL"] = f"sqlite:///{tempfile.mkdtemp()}/list-bench.sqlite3"
-os.environ.setdefault("ORCH_LOG_LEVEL", "WARNING")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 TASKS = int(os.environ.get("BENCH_TASKS", "100000"))
+from bench._django import setup  # noqa: E402
 
-import django  # noqa: E402
-
-django.setup()
-
+setup("list-bench")
 from django.contrib.auth.models import User  # noqa: E402
-from django.core.management import call_command  # noqa: E402
 from django.test import Client  # noqa: E402
 
 from orchestrator.models import Task  # noqa: E402
@@ -42,7 +33,6 @@ def timed(client, url, runs=7) -> float:
 
 
 def main():
-    call_command("migrate", verbosity=0)
     if Task.objects.count() < TASKS:
         batch = [Task(type=["demo.migrate_rows", "demo.pipeline", "demo.notify"][i % 3], title=f"job {i}",
                       status=STATUSES[i % len(STATUSES)], steps_total=10, steps_done=i % 11, params={}, limits={})

@@ -13,25 +13,16 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "orchestrator.settings")
-if "DATABASE_URL" not in os.environ:
-    os.environ["DATABASE_URL"] = f"sqlite:///{tempfile.mkdtemp()}/recovery-bench.sqlite3"
-os.environ.update({"ORCH_LOG_LEVEL": "WARNING", "ORCH_HEARTBEAT_SECONDS": "1", "ORCH_STALE_AFTER_SECONDS": "3",
-                   "ORCH_MAX_RECOVERY_ATTEMPTS": "1000"})
 os.environ.pop("REDIS_URL", None)
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "8"))
+from bench._django import database_label, setup  # noqa: E402
 
-import django  # noqa: E402
-
-django.setup()
-
-from django.core.management import call_command  # noqa: E402
+setup("recovery-bench", ORCH_HEARTBEAT_SECONDS="1", ORCH_STALE_AFTER_SECONDS="3", ORCH_MAX_RECOVERY_ATTEMPTS="1000")
 
 from orchestrator.engine import processes, services  # noqa: E402
 from orchestrator.models import Task  # noqa: E402
@@ -78,7 +69,6 @@ def pct(values, q):
 
 
 def main():
-    call_command("migrate", verbosity=0)
     clusters = [spawn("qcluster"), spawn("qcluster")]
     sweeper = spawn("recover", "--loop", "--interval", "0.5")
     task = services.task_create(type="demo.pipeline", params={"stages": 100, "seconds_per_stage": 60})
@@ -101,8 +91,7 @@ def main():
             host_kills.append(time.monotonic() - killed_at)
             clusters = [c for c in clusters if c is not victim] + [spawn("qcluster")]  # the host comes back
             time.sleep(2)  # let the new cluster start before the next crash
-        db = "postgresql" if "postgres" in os.environ["DATABASE_URL"] else "sqlite"
-        print(f"database: {db}; heartbeat 1 s, stale after 3 s; {ROUNDS} crashes each")
+        print(f"database: {database_label()}; heartbeat 1 s, stale after 3 s; {ROUNDS} crashes each")
         print(f"kill -9 executor (worker.pid) -> running again: p50 {pct(executor_kills, 50):5.2f} s  "
               f"p95 {pct(executor_kills, 95):5.2f} s")
         print(f"kill -9 whole worker host     -> running again: p50 {pct(host_kills, 50):5.2f} s  "

@@ -8,27 +8,15 @@ per durable step (2 commits); LangGraph's Postgres checkpointer ~2.1-2.6 ms and 
 """
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "orchestrator.settings")
-if "DATABASE_URL" not in os.environ:
-    os.environ["DATABASE_URL"] = f"sqlite:///{tempfile.mkdtemp()}/bench.sqlite3"
-os.environ.setdefault("ORCH_LOG_LEVEL", "WARNING")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._django import setup  # noqa: E402
 
-import django  # noqa: E402
+setup("steps-bench")
 from django.conf import settings  # noqa: E402
-
-settings_module = __import__("orchestrator.settings", fromlist=["x"])
-settings_module.ORCH_EXTRA_TASK_TYPES = ["bench.benchtypes"]
-sys.path.insert(0, str(ROOT))
-django.setup()
-
-from django.core.management import call_command  # noqa: E402
 from django.db import connection  # noqa: E402
 from django.db.backends.base.base import BaseDatabaseWrapper  # noqa: E402
 
@@ -79,7 +67,6 @@ def measure(type_name: str, params: dict, steps: int) -> dict:
 
 
 def main():
-    call_command("migrate", verbosity=0)
     vendor = connection.vendor
     steps = int(os.environ.get("BENCH_STEPS", "500"))
     print(f"database: {vendor}; {steps} steps per run; snapshot retention {settings.ORCH_SNAPSHOT_KEEP}")

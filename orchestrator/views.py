@@ -18,8 +18,8 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from . import roles, selectors
-from .engine import services, states
-from .models import Task, TaskStatus
+from .engine import revisions, services, states
+from .models import Snapshot, Task, TaskStatus
 from .tasktypes import all_types
 
 STEP_ROWS_SHOWN = 2000
@@ -171,17 +171,29 @@ def _widget(prop: dict) -> str:
     return "json"
 
 
-def _initial(widget: str, prop: dict):
-    if "default" not in prop or prop["default"] is None:
+def _display(widget: str, value):
+    """A value as its generated field shows it."""
+    if value is None:
         return "" if widget != "checkbox" else False
-    default = prop["default"]
     if widget == "checkbox":
-        return bool(default)
+        return bool(value)
     if widget == "lines":
-        return "\n".join(str(v) for v in default)
+        return "\n".join(str(v) for v in value)
     if widget == "json":
-        return json.dumps(default, indent=2)
-    return str(default)
+        return json.dumps(value, indent=2)
+    return str(value)
+
+
+def _initial(widget: str, prop: dict):
+    return _display(widget, prop.get("default"))
+
+
+def prefill(fields: list[dict], values: dict) -> list[dict]:
+    """Show `values` (e.g. a task's current params) in the generated fields."""
+    for field in fields:
+        if field["key"] in values:
+            field["value"] = _display(field["widget"], values[field["key"]])
+    return fields
 
 
 def _number_bound(prop: dict, inclusive: str, exclusive: str):
@@ -289,6 +301,32 @@ def attach_errors(errors: list, fields: list[dict]) -> list[str]:
     return general
 
 
+def read_form(type_name: str, fields: list[dict], limits: list[dict], data) -> tuple[dict, dict, list]:
+    """(params, limits, errors) from a posted generated form: the params checked against
+    the type's schema (defaults filled in), the limits as given (checked, not filled in).
+    Params and limits are checked separately so that every error shows at once; errors
+    local to a field (bad JSON) are on the field itself."""
+    params, limit_values = {}, {}
+    for field in fields:
+        present, value = read_field(field, data)
+        if present:
+            params[field["key"]] = value
+    for field in limits:
+        present, value = read_field(field, data)
+        if present:
+            limit_values[field["key"]] = value
+    errors = []
+    try:
+        params = services.validate_params(type_name, params)
+    except services.InvalidInput as exc:
+        errors.extend(exc.errors)
+    try:
+        services.validate_limits(limit_values)
+    except services.InvalidInput as exc:
+        errors.extend(exc.errors)
+    return params, limit_values, errors
+
+
 @require_http_methods(["GET", "POST"])
 @viewer_required
 def task_new(request):
@@ -311,29 +349,10 @@ def task_new(request):
     if request.method == "GET":
         return render(request, "orchestrator/task_new.html", context)
 
-    params, limit_values = {}, {}
-    for field in fields:
-        present, value = read_field(field, request.POST)
-        if present:
-            params[field["key"]] = value
-    for field in limits:
-        present, value = read_field(field, request.POST)
-        if present:
-            limit_values[field["key"]] = value
+    params, limit_values, errors = read_form(type_name, fields, limits, request.POST)
     title = request.POST.get("title", "").strip()
     context["title"] = title
-
-    # Check params and limits separately first, so that every error shows at once
-    # (task_create stops at the first group that fails).
-    errors = []
-    for check, value in ((lambda v: services.validate_params(type_name, v), params),
-                         (services.validate_limits, limit_values)):
-        try:
-            check(value)
-        except services.InvalidInput as exc:
-            errors.extend(exc.errors)
-    local_errors = any(f["errors"] for f in fields + limits)
-    if not errors and not local_errors:
+    if not errors and not any(f["errors"] for f in fields + limits):
         try:
             task = services.task_create(type=type_name, params=params, limits=limit_values, title=title,
                                         actor=request.user, ip=client_ip(request))
@@ -395,7 +414,8 @@ def task_detail(request, task_id: int):
         "steps_total": steps_total,
         "wal": wal,
         "wal_total": wal_total,
-        "snapshots": list(task.snapshots.all()),
+        "snapshots": snapshot_history(list(task.snapshots.order_by("-version"))),
+        "can_revise": task.status == TaskStatus.PAUSED,
         "events": events,
         "audit": audit,
         "actions": actions,
@@ -442,3 +462,284 @@ def task_control(request, task_id: int):
         template = settled if final is None or task.status == final else requested
         messages.success(request, template.format(id=task.pk))
     return redirect(back)
+
+
+# --- snapshots: what changed between kept versions -----------------------------------------
+
+CHANGES_SHOWN = 12  # per version; the rest is counted
+
+
+def _short(value) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 60 else text[:57] + "…"
+
+
+def state_changes(old: dict, new: dict) -> list[str]:
+    """What changed from one snapshot state to the next: params, limits, the task status,
+    and each step's status ("batch-0003: pending → done"), in plan order."""
+    changes = []
+    for label, key in (("param", "params"), ("limit", "limits")):
+        before, after = old.get(key) or {}, new.get(key) or {}
+        for name in sorted(set(before) | set(after)):
+            if before.get(name) != after.get(name):
+                changes.append(f"{label} {name}: {_short(before.get(name))} → {_short(after.get(name))}")
+    if old.get("status") and new.get("status") and old["status"] != new["status"]:
+        changes.append(f"status: {old['status']} → {new['status']}")
+    before, after = old.get("steps") or {}, new.get("steps") or {}
+    gens_before, gens_after = old.get("generations") or {}, new.get("generations") or {}
+    for step_id, status in after.items():
+        if step_id not in before:
+            changes.append(f"{step_id}: added ({status})")
+            continue
+        text = f"{step_id}: {before[step_id]} → {status}" if before[step_id] != status else ""
+        generation = gens_after.get(step_id, 0)
+        if generation != gens_before.get(step_id, 0):
+            text = (text or f"{step_id}: {status}") + f" (re-run, generation {generation})"
+        if text:
+            changes.append(text)
+    changes.extend(f"{step_id}: removed" for step_id in before if step_id not in after)
+    return changes
+
+
+def snapshot_history(snapshots: list[Snapshot]) -> list[dict]:
+    """The kept snapshot versions, newest first, each with what changed from the previous
+    kept version (the oldest kept one has nothing to compare with)."""
+    ordered = sorted(snapshots, key=lambda snap: snap.version)
+    rows, previous = [], None
+    for snap in ordered:
+        state = snap.state if isinstance(snap.state, dict) else {}
+        row = {"snapshot": snap, "version": snap.version, "step_id": snap.step_id, "created_at": snap.created_at,
+               "previous": previous.version if previous else None, "changes": [], "more": 0, "note": ""}
+        if previous is None:
+            steps = state.get("steps") or {}
+            row["note"] = (f"first version: a plan of {len(steps)} step{'s' if len(steps) != 1 else ''}"
+                           if snap.version == 1 else "oldest kept version (earlier ones were pruned)")
+        else:
+            changes = state_changes(previous.state if isinstance(previous.state, dict) else {}, state)
+            row["changes"], row["more"] = changes[:CHANGES_SHOWN], max(0, len(changes) - CHANGES_SHOWN)
+            if not changes:
+                row["note"] = "no change"
+        rows.append(row)
+        previous = snap
+    rows.reverse()
+    return rows
+
+
+# --- edit params & resume, roll back to a snapshot -----------------------------------------
+
+STEP_IDS_SHOWN = 500  # per list on a preview page
+
+
+def _not_paused(request, task: Task, what: str):
+    messages.error(request, f"Task #{task.pk} is {task.status}; only a paused task can {what}. "
+                            f"Pause it first.")
+    return redirect("task_detail", task_id=task.pk)
+
+
+def _edit_form_context(task: Task, task_type, params: dict | None = None) -> dict:
+    fields = prefill(param_fields(task_type.params_schema()), task.params if params is None else params)
+    limits = limit_fields()
+    for field in limits:  # blank keeps the task's current limit
+        field["placeholder"] = task.limits.get(field["key"], field["placeholder"])
+    limit = task.status_reason.removeprefix("limit: ") if task.status_reason.startswith("limit: ") else ""
+    return {"task": task, "task_type": task_type, "fields": fields, "limit_fields": limits, "general_errors": [],
+            "paused_by_limit": limit, "limits_open": bool(limit)}
+
+
+def _limit_warning(task: Task, preview: revisions.Preview, limit_values: dict) -> str:
+    """The limit that paused the task, if the edit leaves it too low to finish."""
+    if not task.status_reason.startswith("limit: "):
+        return ""
+    limit = task.status_reason.removeprefix("limit: ")
+    value = {**task.limits, **limit_values}.get(limit)
+    if value is None:
+        return ""
+    if limit == "max_steps":
+        room = int(value) - len(preview.kept)
+        if room >= len(preview.pending):
+            return ""
+        return (f"The task paused because max_steps ran out, and max_steps is still {value}: it will pause again "
+                f"after {max(room, 0)} more step{'s' if room != 1 else ''} ({len(preview.pending)} to run). "
+                f"Go back and raise max_steps under Limits to let it finish.")
+    if limit_values.get(limit) is None or float(limit_values[limit]) <= float(task.limits.get(limit) or 0):
+        return (f"The task paused because {limit} ran out, and {limit} is still {value}: it will pause again "
+                f"right away. Go back and raise {limit} under Limits.")
+    return ""
+
+
+def _edit_preview(request, task: Task, params: dict, limit_values: dict, status: int = 200):
+    try:
+        preview, _specs = revisions.preview_edit(task, params)
+    except states.InvalidTransition as exc:
+        messages.error(request, str(exc))
+        return redirect("task_detail", task_id=task.pk)
+    changed_limits = [(key, task.limits.get(key), value) for key, value in sorted(limit_values.items())
+                      if task.limits.get(key) != value]
+    return render(request, "orchestrator/task_edit_preview.html", {
+        "task": task,
+        "preview": preview,
+        "diff": [(key, _json(old), _json(new)) for key, (old, new) in preview.param_diff.items()],
+        "changed_limits": changed_limits,
+        "lists": _step_lists(preview, ("kept", "rerun", "removed", "pending")),
+        "limit_warning": _limit_warning(task, preview, limit_values),
+        "params_json": _json(params),
+        "limits_json": _json(limit_values),
+    }, status=status)
+
+
+STEP_LISTS = {
+    "kept": ("Steps kept", "finished steps that read none of the changed values: their results stay"),
+    "rerun": ("Steps to re-run", "finished steps whose results are reset; they run again (new idempotency keys)"),
+    "removed": ("Steps removed", "finished steps the new plan no longer has"),
+    "pending": ("Steps still to run", "every step that runs after this, in plan order"),
+}
+
+
+def _step_lists(preview: revisions.Preview, names) -> list[dict]:
+    lists = []
+    for name in names:
+        ids = getattr(preview, name)
+        title, help_text = STEP_LISTS[name]
+        if name == "rerun" and preview.rollback_to is not None:
+            help_text = f"finished after v{preview.rollback_to} (or re-run since): reset, they run again"
+        if name == "kept" and preview.rollback_to is not None:
+            help_text = f"already done at v{preview.rollback_to}: their results stay"
+        lists.append({"name": name, "title": title, "help": help_text, "ids": ids[:STEP_IDS_SHOWN],
+                      "count": len(ids), "more": max(0, len(ids) - STEP_IDS_SHOWN)})
+    return lists
+
+
+def _posted_json(request, name: str, default=None):
+    raw = request.POST.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise ValueError(f"{name} is missing")
+        return default
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object")
+    return value
+
+
+@require_http_methods(["GET", "POST"])
+@viewer_required
+def task_edit(request, task_id: int):
+    """Edit a paused task's params and resume: the form (prefilled), then the impact
+    preview, then confirm (applied only if the task did not change since the preview)."""
+    require_operator(request)
+    task = get_task(task_id)
+    if task.status != TaskStatus.PAUSED:
+        return _not_paused(request, task, "have its parameters edited")
+    task_type = _task_types().get(task.type)
+    if task_type is None:
+        messages.error(request, f"Task #{task.pk} has type {task.type!r}, which this server does not know.")
+        return redirect("task_detail", task_id=task.pk)
+    if request.method == "GET":
+        return render(request, "orchestrator/task_edit.html", _edit_form_context(task, task_type))
+    if "confirm" in request.POST:
+        return _edit_confirm(request, task, task_type)
+
+    context = _edit_form_context(task, task_type)
+    fields, limits = context["fields"], context["limit_fields"]
+    params, limit_values, errors = read_form(task.type, fields, limits, request.POST)
+    if errors or any(f["errors"] for f in fields + limits):
+        context["general_errors"] = attach_errors(errors, fields + limits)
+        context["limits_open"] = context["limits_open"] or any(f["errors"] or f["value"] for f in limits)
+        return render(request, "orchestrator/task_edit.html", context, status=422)
+    return _edit_preview(request, task, params, limit_values)
+
+
+def _edit_confirm(request, task: Task, task_type):
+    try:
+        params = _posted_json(request, "params")
+        limit_values = _posted_json(request, "limits", default={})
+        expected_version = int(request.POST.get("expected_version", ""))
+    except ValueError as exc:
+        return HttpResponseBadRequest(f"Confirm with the preview's hidden fields: {exc}.")
+    try:
+        params = services.validate_params(task.type, params)
+        services.validate_limits(limit_values)
+    except services.InvalidInput as exc:
+        context = _edit_form_context(task, task_type, params)
+        prefill(context["limit_fields"], limit_values)
+        context["general_errors"] = attach_errors(exc.errors, context["fields"] + context["limit_fields"])
+        return render(request, "orchestrator/task_edit.html", context, status=422)
+    try:
+        preview = revisions.apply_edit(task_id=task.pk, new_params=params, expected_version=expected_version,
+                                       limits=limit_values or None, actor=request.user, ip=client_ip(request))
+    except revisions.StalePreview:
+        messages.error(request, f"Not applied: the task changed since your preview. This is a fresh preview of "
+                                f"task #{task.pk} as it is now; review it and confirm again.")
+        return _edit_preview(request, get_task(task.pk), params, limit_values, status=409)
+    except states.InvalidTransition as exc:
+        messages.error(request, f"Not applied: {exc}")
+        return redirect("task_detail", task_id=task.pk)
+    changed = ", ".join(preview.param_diff) or "no parameter changes"
+    messages.success(request, f"Task #{task.pk}: parameters edited ({changed}); {len(preview.rerun)} finished "
+                              f"step{'s' if len(preview.rerun) != 1 else ''} will run again. The task is resumed.")
+    return redirect("task_detail", task_id=task.pk)
+
+
+@require_POST
+@viewer_required
+def task_clone(request, task_id: int):
+    """A new task of the same type with the given params (when an edit cannot be applied)."""
+    require_operator(request)
+    task = get_task(task_id)
+    try:
+        params = _posted_json(request, "params")
+        limit_values = _posted_json(request, "limits", default={})
+    except ValueError as exc:
+        return HttpResponseBadRequest(f"Post the new params as JSON: {exc}.")
+    try:
+        new = services.task_create(type=task.type, params=params, limits={**task.limits, **limit_values},
+                                   title=task.title, actor=request.user, ip=client_ip(request))
+    except services.InvalidInput as exc:
+        messages.error(request, f"No task was created: {exc}")
+        return redirect("task_detail", task_id=task.pk)
+    messages.success(request, f"Task #{new.pk} created from task #{task.pk} with the new parameters and queued.")
+    return redirect("task_detail", task_id=new.pk)
+
+
+def _rollback_preview(request, task: Task, version: int, status: int = 200):
+    try:
+        preview = revisions.preview_rollback(task, version)
+    except states.InvalidTransition as exc:
+        messages.error(request, str(exc))
+        return redirect("task_detail", task_id=task.pk)
+    return render(request, "orchestrator/task_rollback.html", {
+        "task": task,
+        "preview": preview,
+        "diff": [(key, _json(old), _json(new)) for key, (old, new) in preview.param_diff.items()],
+        "lists": _step_lists(preview, ("kept", "rerun", "pending")),
+    }, status=status)
+
+
+@require_http_methods(["GET", "POST"])
+@viewer_required
+def task_rollback(request, task_id: int, version: int):
+    """Roll a paused task back to a kept snapshot version: the preview (with the side
+    effects performed after it, which are not undone), then confirm."""
+    require_operator(request)
+    task = get_task(task_id)
+    if task.status != TaskStatus.PAUSED:
+        return _not_paused(request, task, "be rolled back")
+    if request.method == "GET":
+        return _rollback_preview(request, task, version)
+    try:
+        expected_version = int(request.POST.get("expected_version", ""))
+    except ValueError:
+        return HttpResponseBadRequest("Confirm with the preview's hidden expected_version.")
+    try:
+        preview = revisions.apply_rollback(task_id=task.pk, version=version, expected_version=expected_version,
+                                           actor=request.user, ip=client_ip(request))
+    except revisions.StalePreview:
+        messages.error(request, f"Not applied: the task changed since your preview. This is a fresh preview of "
+                                f"the rollback to v{version}; review it and confirm again.")
+        return _rollback_preview(request, get_task(task.pk), version, status=409)
+    except states.InvalidTransition as exc:
+        messages.error(request, f"Not applied: {exc}")
+        return redirect("task_detail", task_id=task.pk)
+    messages.success(request, f"Task #{task.pk} rolled back to v{version}: {len(preview.rerun)} "
+                              f"step{'s' if len(preview.rerun) != 1 else ''} will run again. The task is resumed.")
+    return redirect("task_detail", task_id=task.pk)
