@@ -34,3 +34,100 @@ def test_tasks_create_reports_bad_params_by_field():
 def test_control_of_a_missing_or_finished_task_is_explained():
     with pytest.raises(CommandError, match="no task #4242"):
         call_command("tasks", "stop", "4242")
+
+
+# --- revising a paused task: resume with edited params, rollback -------------------------------
+
+def paused_migration(capsys) -> int:
+    """demo.migrate_rows run in-process until max_steps=3 pauses it (prepare + 2 batches)."""
+    from orchestrator.engine.worker import drive_inline
+
+    call_command("tasks", "create", "demo.migrate_rows", "--param", "rows=500", "--param", "batch_size=100",
+                 "--limit", "max_steps=3", "--limit", "max_subtasks=1")
+    task_id = int(capsys.readouterr().out.strip().splitlines()[-1])
+    drive_inline(task_id)
+    assert Task.objects.get(pk=task_id).status == "paused"
+    return task_id
+
+
+@pytest.mark.django_db(transaction=True)
+def test_resume_with_params_dry_run_prints_the_preview_and_changes_nothing(capsys):
+    task_id = paused_migration(capsys)
+    seq = Task.objects.get(pk=task_id).event_seq
+    call_command("tasks", "resume", str(task_id), "--param", "rate=2", "--limit", "max_steps=1000", "--dry-run")
+    out = capsys.readouterr().out
+    assert f"task #{task_id} demo.migrate_rows: edit preview (at event {seq})" in out
+    assert "rate: 1.0 -> 2.0" in out and "limit max_steps: 3 -> 1000" in out
+    assert "kept (1): prepare-source" in out
+    assert "re-run (2): batch-0001, batch-0002" in out
+    assert "still to run (5): batch-0001, batch-0002, batch-0003, batch-0004, batch-0005" in out
+    assert "side effects re-running repeats (2):" in out and "db.upsert" in out and "idempotent" in out
+    assert "can apply: yes" in out and "dry run: nothing changed" in out
+    task = Task.objects.get(pk=task_id)
+    assert task.status == "paused" and task.params["rate"] == 1.0 and task.event_seq == seq
+
+
+@pytest.mark.django_db(transaction=True)
+def test_resume_with_params_applies_the_edit_and_the_task_completes(capsys):
+    from decimal import Decimal
+
+    from orchestrator.engine.worker import drive_inline
+    from orchestrator.models import AuditEntry, DemoDestination, DemoSource
+
+    task_id = paused_migration(capsys)
+    call_command("tasks", "resume", str(task_id), "--param", "rate=2", "--limit", "max_steps=1000")
+    assert f"task #{task_id}: params edited (rate); 2 step(s) to re-run; queued" in capsys.readouterr().out
+    task = Task.objects.get(pk=task_id)
+    assert task.params["rate"] == 2.0 and task.limits["max_steps"] == 1000
+    assert AuditEntry.objects.filter(task=task, action="task.edit_params").exists()
+    drive_inline(task_id)
+    assert Task.objects.get(pk=task_id).status == "completed"
+    source = sum(DemoSource.objects.filter(id__lte=500).values_list("amount", flat=True), Decimal(0))
+    assert sum(DemoDestination.objects.filter(id__lte=500).values_list("amount", flat=True)) == 2 * source
+
+
+@pytest.mark.django_db(transaction=True)
+def test_resume_with_bad_params_or_a_blocking_edit_exits_with_an_error(capsys, mailoutbox):
+    from orchestrator.engine.worker import drive_inline
+
+    task_id = paused_migration(capsys)
+    with pytest.raises(CommandError, match="params.rate"):
+        call_command("tasks", "resume", str(task_id), "--param", "rate=-1")
+    assert Task.objects.get(pk=task_id).params["rate"] == 1.0
+
+    call_command("tasks", "create", "demo.notify", "--param", 'recipients=["a@example.org","b@example.org"]',
+                 "--param", "subject=Hi", "--limit", "max_steps=1", "--limit", "max_subtasks=1")
+    notify_id = int(capsys.readouterr().out.strip().splitlines()[-1])
+    drive_inline(notify_id)
+    assert Task.objects.get(pk=notify_id).status == "paused" and len(mailoutbox) == 1
+    with pytest.raises(CommandError, match="cannot be applied: send-001 already performed email.send"):
+        call_command("tasks", "resume", str(notify_id), "--param", "subject=Hello")
+    out = capsys.readouterr().out
+    assert "blocking: send-001" in out and "NOT idempotent" in out and "can apply: no" in out
+    task = Task.objects.get(pk=notify_id)
+    assert task.status == "paused" and task.params["subject"] == "Hi" and len(mailoutbox) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rollback_dry_run_then_apply(capsys):
+    from orchestrator.models import AuditEntry
+
+    task_id = paused_migration(capsys)
+    call_command("tasks", "rollback", str(task_id), "--version", "2", "--dry-run")
+    out = capsys.readouterr().out
+    assert "rollback preview to v2" in out and "kept (1): prepare-source" in out
+    assert "re-run (2): batch-0001, batch-0002" in out
+    assert "side effects after v2 (NOT undone) (2):" in out
+    assert Task.objects.get(pk=task_id).status == "paused"
+
+    call_command("tasks", "rollback", str(task_id), "--version", "2")
+    out = capsys.readouterr().out
+    assert f"task #{task_id}: rolled back to v2; 2 step(s) to re-run; 2 side effect(s) after v2 not undone; queued" in out
+    task = Task.objects.get(pk=task_id)
+    assert task.status == "queued" and task.steps_done == 1
+    assert AuditEntry.objects.filter(task=task, action="task.rollback").exists()
+
+    with pytest.raises(CommandError, match="only a paused task|pause it"):
+        call_command("tasks", "rollback", str(task_id), "--version", "2")
+    with pytest.raises(CommandError, match="no task #4242"):
+        call_command("tasks", "rollback", "4242", "--version", "1")

@@ -5,6 +5,8 @@ of every allowed write (actor, action, task, IP).
 A new endpoint or page without an entry in the matrices below makes this module fail:
 decide who may use it, then add it here.
 """
+import json
+
 import pytest
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
@@ -13,7 +15,7 @@ from django.urls import URLPattern, URLResolver, get_resolver
 
 from orchestrator.auth import token_issue
 from orchestrator.engine import services
-from orchestrator.models import AuditEntry, Task, WalEntry
+from orchestrator.models import AuditEntry, Snapshot, Task, WalEntry
 from review.models import ReviewItem
 from review.services import review_open
 
@@ -43,6 +45,7 @@ API_MATRIX = {
     ("post", "/api/tasks/{task_id}/stop"): (CONTROL, "task.stop"),
     ("post", "/api/tasks/{task_id}/terminate"): (CONTROL, "task.terminate"),
     ("post", "/api/tasks/{task_id}/resume"): (CONTROL, "task.resume"),
+    ("post", "/api/tasks/{task_id}/rollback"): (CONTROL, "task.rollback"),
     ("get", "/api/tasks/{task_id}/wal"): (READ, None),
     ("get", "/api/tasks/{task_id}/snapshots"): (READ, None),
     ("get", "/api/tasks/{task_id}/events"): (READ, None),
@@ -64,11 +67,20 @@ PAGE_MATRIX = {
     ("POST", "tasks/new/", "create"): (CREATE, "task.create"),
     ("GET", "tasks/<int:task_id>/", None): (READ, None),
     **{("POST", "tasks/<int:task_id>/control/", action): (CONTROL, f"task.{action}") for action in CONTROL_ACTIONS},
+    # Revising a paused task: the edit form and its preview write nothing; confirm applies.
+    ("GET", "tasks/<int:task_id>/edit/", None): (CONTROL, None),
+    ("POST", "tasks/<int:task_id>/edit/", "preview"): (CONTROL, None),
+    ("POST", "tasks/<int:task_id>/edit/", "confirm"): (CONTROL, "task.edit_params"),
+    ("POST", "tasks/<int:task_id>/clone/", "clone"): (CREATE, "task.create"),
+    ("GET", "tasks/<int:task_id>/rollback/<int:version>/", None): (CONTROL, None),
+    ("POST", "tasks/<int:task_id>/rollback/<int:version>/", "rollback"): (CONTROL, "task.rollback"),
     ("GET", "review/", None): (READ, None),
     ("GET", "review/<int:review_id>/", None): (READ, None),  # reviewers also get the decision form
     ("POST", "review/<int:review_id>/", "decide"): (REVIEW, "review.decide"),
 }
 REVIEW_DECISION = {"decision": "skip", "note": "roles matrix"}
+# Pages and endpoints that act on a paused task only (with snapshot v1 to roll back to).
+NEEDS_PAUSED = ("/edit/", "/rollback/", "/clone/")
 PAGE_ROUTES_NOT_IN_MATRIX = ("admin/", "accounts/", "api/")
 
 
@@ -91,10 +103,13 @@ def make_identity(make_user, identity: str):
 
 
 def new_task(*, paused: bool = False) -> Task:
-    """A real task (queued); paused when the action under test is `resume`."""
+    """A real task (queued); paused when the action under test needs that (resume, and the
+    revisions: a parameter edit, a rollback — to snapshot v1, made here)."""
     task = services.task_create(type="demo.pipeline", params={})
     if paused:
         task = services.task_pause(task_id=task.pk)
+        Task.objects.filter(pk=task.pk).update(checkpoint_version=1)
+        Snapshot.objects.create(task=task, version=1, state={"params": task.params, "steps": {}})
     return Task.objects.get(pk=task.pk)
 
 
@@ -125,9 +140,9 @@ def assert_audited(*, user, action: str, task_id: int) -> None:
     assert entries.count() == 1, (
         f"expected one {action!r} audit entry by {user.username} for task #{task_id}; have "
         f"{list(AuditEntry.objects.filter(task_id=task_id).values_list('action', 'actor_name', 'ip'))}")
-    entry = entries.get()
-    assert entry.actor_name == user.username
-    assert entry.ip == TEST_CLIENT_IP
+    for entry in entries:
+        assert entry.actor_name == user.username
+        assert entry.ip == TEST_CLIENT_IP
 
 
 def assert_nothing_written(*, audit_before: int, tasks_before: int, task: Task, review: ReviewItem | None = None,
@@ -164,7 +179,7 @@ API_CASES = [pytest.param(method, path, identity, auth, id=f"{method.upper()} {p
 def test_api_matrix(client, make_user, method, path, identity, auth):
     kind, action = API_MATRIX[(method, path)]
     user = make_identity(make_user, identity)
-    task = new_task(paused=action == "task.resume")
+    task = new_task(paused=action in ("task.resume", "task.rollback"))
     review = new_review(task) if "{review_id}" in path else None
     headers = {}
     if auth == "session":
@@ -182,6 +197,8 @@ def test_api_matrix(client, make_user, method, path, identity, auth):
     else:
         body = {CREATE: {"type": "demo.pipeline", "params": {}}, REVIEW: REVIEW_DECISION}.get(
             kind, {"reason": "roles matrix"})
+        if path.endswith("/rollback"):
+            body = {"version": 1}
         response = client.post(url, body, content_type="application/json", **headers)
 
     expected = expected_api_statuses(identity, kind)
@@ -246,11 +263,12 @@ PAGE_CASES = [pytest.param(method, route, data, identity, id=f"{method} /{route}
 def test_page_matrix(client, make_user, method, route, data, identity):
     kind, action = PAGE_MATRIX[(method, route, data)]
     user = make_identity(make_user, identity)
-    task = new_task(paused=data == "resume")
+    task = new_task(paused=data == "resume" or any(part in "/" + route for part in NEEDS_PAUSED))
     review = new_review(task) if route.startswith("review/") else None
     if user is not None:
         client.force_login(user)
     url = "/" + route.replace("<int:task_id>", str(task.pk)).replace("<int:review_id>", str(review.pk) if review else "")
+    url = url.replace("<int:version>", "1")
     audit_before, tasks_before = AuditEntry.objects.count(), Task.objects.count()
     review_before = review_state(review)
     nothing_written = dict(audit_before=audit_before, tasks_before=tasks_before, task=task, review=review,
@@ -262,6 +280,15 @@ def test_page_matrix(client, make_user, method, route, data, identity):
         response = client.post(url, {"type": "demo.pipeline", "title": "from the matrix"})
     elif data == "decide":
         response = client.post(url, REVIEW_DECISION)
+    elif data == "preview":
+        response = client.post(url, {"preview": "1"})
+    elif data == "confirm":
+        response = client.post(url, {"confirm": "1", "params": json.dumps(task.params), "limits": "{}",
+                                     "expected_version": task.event_seq})
+    elif data == "clone":
+        response = client.post(url, {"params": json.dumps(task.params), "limits": "{}"})
+    elif data == "rollback":
+        response = client.post(url, {"expected_version": task.event_seq})
     else:
         response = client.post(url, {"action": data, "reason": "roles matrix"})
 
@@ -273,8 +300,10 @@ def test_page_matrix(client, make_user, method, route, data, identity):
     elif identity not in ALLOWED[kind]:
         assert response.status_code == 403, (where, response.status_code)
         assert_nothing_written(**nothing_written)
-    elif method == "GET":
+    elif method == "GET" or data == "preview":
         assert response.status_code == 200, (where, response.status_code)
+        if action is None:
+            assert_nothing_written(**nothing_written)
         if route == "review/<int:review_id>/":  # only reviewers get the decision form
             has_form = b'data-testid="decision-form"' in response.content
             assert has_form == (identity in ALLOWED[REVIEW]), (where, has_form)
@@ -283,7 +312,7 @@ def test_page_matrix(client, make_user, method, route, data, identity):
         assert response["Location"] == "/review/"
         assert_audited(user=user, action=action, task_id=task.pk)
         assert ReviewItem.objects.get(pk=review.pk).decided_by == user
-    elif data == "create":
+    elif data in ("create", "clone"):
         assert response.status_code == 302, (where, response.status_code, response.content[:500])
         created = Task.objects.exclude(pk=task.pk).get()
         assert response["Location"] == f"/tasks/{created.pk}/"

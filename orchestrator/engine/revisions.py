@@ -115,8 +115,7 @@ def apply_edit(*, task_id: int, new_params: dict, expected_version: int | None, 
         append_event(task, "params_edited", {"diff": preview.param_diff, "rerun": preview.rerun[:200],
                                              "removed": preview.removed[:200]})
         states.transition(task, S.QUEUED, reason=f"parameters edited ({', '.join(preview.param_diff)}); resuming",
-                          actor=actor, ip=ip, action="task.edit_params",
-                          extra={"diff": preview.param_diff})
+                          actor=actor, ip=ip, extra={"diff": preview.param_diff})
         from .services import audit
 
         audit(action="task.edit_params", actor=actor, ip=ip, task=task, before=before,
@@ -199,7 +198,7 @@ def apply_rollback(*, task_id: int, version: int, expected_version: int | None, 
         append_event(task, "rolled_back", {"to_version": version, "rerun": preview.rerun[:200],
                                            "effects_after": len(preview.effects_after)})
         states.transition(task, S.QUEUED, reason=f"rolled back to v{version}; resuming", actor=actor, ip=ip,
-                          action="task.rollback", extra={"to_version": version})
+                          extra={"to_version": version})
         from .services import audit
 
         audit(action="task.rollback", actor=actor, ip=ip, task=task, before=before,

@@ -1,10 +1,12 @@
-"""`manage.py tasks create TYPE --param k=v ... | list | show ID | pause|resume|stop|terminate ID`."""
+"""`manage.py tasks create TYPE --param k=v ... | list | show ID | pause|resume|stop|terminate ID`,
+plus revising a paused task: `tasks resume ID --param k=v ... [--limit k=v] [--dry-run]` (edit
+its params and resume) and `tasks rollback ID --version N [--dry-run]`."""
 import json
 
 from django.core.management.base import BaseCommand, CommandError
 
 from orchestrator import selectors
-from orchestrator.engine import services
+from orchestrator.engine import revisions, services
 from orchestrator.engine.states import InvalidTransition
 from orchestrator.models import Task
 from orchestrator.tasktypes import all_types
@@ -46,6 +48,15 @@ class Command(BaseCommand):
             control.add_argument("--reason", default="")
             if name == "resume":
                 control.add_argument("--limit", action="append", default=[], help="raise a limit: max_seconds=600")
+                control.add_argument("--param", action="append", default=[],
+                                     help="edit a parameter first: key=value (the other params stay)")
+                control.add_argument("--dry-run", action="store_true",
+                                     help="print the impact of the edit (steps kept, re-run; effects repeated) "
+                                          "and change nothing")
+        rollback = sub.add_parser("rollback", help="roll a paused task back to a snapshot version and resume")
+        rollback.add_argument("id", type=int)
+        rollback.add_argument("--version", type=int, required=True, help="a kept snapshot version (see `show`)")
+        rollback.add_argument("--dry-run", action="store_true", help="print the preview and change nothing")
 
     def handle(self, *args, action, **opts):
         if action == "create":
@@ -65,6 +76,11 @@ class Command(BaseCommand):
                                   f"  {t.created_at:%Y-%m-%d %H:%M:%S}")
         elif action == "show":
             self.show(opts["id"], as_json=opts["json"])
+        elif action == "resume" and (opts["param"] or opts["dry_run"]):
+            self.edit(opts["id"], params=dict(map(parse_param, opts["param"])),
+                      limits=dict(map(parse_param, opts["limit"])), dry_run=opts["dry_run"])
+        elif action == "rollback":
+            self.rollback(opts["id"], version=opts["version"], dry_run=opts["dry_run"])
         else:
             extra = {"limits": dict(map(parse_param, opts["limit"])) or None} if action == "resume" else {}
             try:
@@ -94,3 +110,84 @@ class Command(BaseCommand):
         for step in out.steps:
             took = f"{step.duration_seconds:.2f}s" if step.duration_seconds is not None else ""
             self.stdout.write(f"  {step.id:<24} {step.status:<8} attempts={step.attempts} {took}")
+
+    # --- revisions of a paused task ----------------------------------------------------------
+
+    def _task(self, task_id: int) -> Task:
+        try:
+            return selectors.task_detail(task_id)
+        except Task.DoesNotExist:
+            raise CommandError(f"There is no task #{task_id}.") from None
+
+    def edit(self, task_id: int, *, params: dict, limits: dict, dry_run: bool) -> None:
+        """Edit params and resume, at the task's current version (or only preview it)."""
+        task = self._task(task_id)
+        try:
+            new_params = services.validate_params(task.type, {**task.params, **params})
+            if limits:
+                services.validate_limits({**task.limits, **limits})
+            preview, _ = revisions.preview_edit(task, new_params)
+        except services.InvalidInput as exc:
+            raise CommandError("\n".join(f"{e.field}: {e.message}" for e in exc.errors)) from None
+        except InvalidTransition as exc:
+            raise CommandError(str(exc)) from None
+        if dry_run or not preview.can_apply:
+            self.print_preview(task, preview, title="edit preview", limits=limits)
+        if not preview.can_apply:
+            raise CommandError("the edit cannot be applied: " + " ".join(b["why"] for b in preview.blocking))
+        if dry_run:
+            self.stdout.write("dry run: nothing changed")
+            return
+        try:
+            preview = revisions.apply_edit(task_id=task.pk, new_params=new_params, expected_version=preview.version,
+                                           limits=limits or None)
+        except InvalidTransition as exc:  # StalePreview too: the task moved meanwhile
+            raise CommandError(str(exc)) from None
+        except services.InvalidInput as exc:
+            raise CommandError("\n".join(f"{e.field}: {e.message}" for e in exc.errors)) from None
+        task = self._task(task_id)
+        self.stdout.write(f"task #{task.pk}: params edited ({', '.join(preview.param_diff) or 'no change'}); "
+                          f"{len(preview.rerun)} step(s) to re-run; {task.status}")
+
+    def rollback(self, task_id: int, *, version: int, dry_run: bool) -> None:
+        task = self._task(task_id)
+        try:
+            preview = revisions.preview_rollback(task, version)
+            if dry_run:
+                self.print_preview(task, preview, title=f"rollback preview to v{version}")
+                self.stdout.write("dry run: nothing changed")
+                return
+            preview = revisions.apply_rollback(task_id=task.pk, version=version, expected_version=preview.version)
+        except InvalidTransition as exc:
+            raise CommandError(str(exc)) from None
+        task = self._task(task_id)
+        self.stdout.write(f"task #{task.pk}: rolled back to v{version}; {len(preview.rerun)} step(s) to re-run; "
+                          f"{len(preview.effects_after)} side effect(s) after v{version} not undone; {task.status}")
+
+    def print_preview(self, task: Task, preview, *, title: str, limits: dict | None = None) -> None:
+        write = self.stdout.write
+        write(f"task #{task.pk} {task.type}: {title} (at event {preview.version})")
+        write("params:" if preview.param_diff else "params: no change")
+        for key, (old, new) in preview.param_diff.items():
+            write(f"  {key}: {json.dumps(old)} -> {json.dumps(new)}")
+        changed_limits = {k: v for k, v in (limits or {}).items() if task.limits.get(k) != v}
+        for key, value in changed_limits.items():
+            write(f"  limit {key}: {json.dumps(task.limits.get(key))} -> {json.dumps(value)}")
+        for label, ids in (("kept", preview.kept), ("re-run", preview.rerun), ("removed", preview.removed),
+                           ("still to run", preview.pending)):
+            if label == "removed" and not ids:
+                continue
+            shown = ", ".join(ids[:20]) + (f", ... (+{len(ids) - 20} more)" if len(ids) > 20 else "")
+            write(f"{label} ({len(ids)}): {shown or '-'}")
+        if preview.rollback_to is not None:
+            effects, heading = preview.effects_after, f"side effects after v{preview.rollback_to} (NOT undone)"
+        else:
+            effects, heading = preview.repeated_effects, "side effects re-running repeats"
+        write(f"{heading} ({len(effects)}):")
+        for effect in effects:
+            write(f"  {effect['step']:<16} {effect['tool']:<12} {effect['idempotency_key']}  "
+                  f"{'idempotent' if effect['idempotent'] else 'NOT idempotent'}")
+        for block in preview.blocking:
+            write(f"blocking: {block['why']}")
+        if preview.rollback_to is None:
+            write(f"can apply: {'yes' if preview.can_apply else 'no'}")
