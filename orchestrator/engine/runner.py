@@ -113,10 +113,20 @@ class Supervisor(threading.Thread):
             connection.close()
 
     def publish_activities(self) -> None:
+        """While a request winds down: what still runs, durable and in the event log (so
+        the task page, which follows events, shows it live)."""
         version = self.runner.token.activities_version
-        if version != self.published_activities:
-            self.runner.lease.fenced().update(activities=self.runner.token.activities())
-            self.published_activities = version
+        if version == self.published_activities:
+            return
+        from .events import append_event
+
+        activities = self.runner.token.activities()
+        with transaction.atomic():
+            task = leases.lock_fenced(self.runner.lease)
+            task.activities = activities
+            task.save(update_fields=["activities"])
+            append_event(task, "winding_down", {"still_running": [f"{a['kind']}: {a['label']}" for a in activities]})
+        self.published_activities = version
 
     def stop(self) -> None:
         self._stopped.set()

@@ -584,6 +584,22 @@
       }
       updateSteps(state.steps);
       updateWal(state.wal);
+      renderActivities(state.activities || []);
+    }
+
+    // What is still winding down after Stop/Pause/Terminate (empty otherwise).
+    function renderActivities(activities) {
+      var card = qs('[data-live="activities-card"]');
+      var list = qs('[data-live="activities"]');
+      if (!card || !list) return;
+      while (list.firstChild) list.removeChild(list.firstChild);
+      var now = Date.now() / 1000;
+      activities.forEach(function (a) {
+        var since = a.since ? " — for " + Math.max(0, now - a.since).toFixed(1) + " s" : "";
+        list.appendChild(el("li", {}, [el("span", { "class": "mono" }, [document.createTextNode(a.kind)]),
+                                       document.createTextNode(" " + a.label + since)]));
+      });
+      card.hidden = activities.length === 0;
     }
 
     // Events move the page at once; the next (throttled) `state` fills in the rest.

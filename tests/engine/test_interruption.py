@@ -130,6 +130,9 @@ def test_after_stop_the_task_shows_what_is_still_winding_down(workers):
     task, _ = wait_final(task.pk, GRACE + 1)
     assert task.status == "stopped" and task.activities == []
     assert not tagged_processes(task.pk)
+    # The page follows the event log: the wind-down is in it.
+    logged = TaskEvent.objects.filter(task=task, kind="winding_down").order_by("seq")
+    assert any("subprocess" in line for e in logged for line in e.payload["still_running"])
 
 
 def test_pause_lets_the_current_step_finish_and_resume_continues(workers):
