@@ -29,6 +29,16 @@ _lock = threading.Lock()
 _original_commit = BaseDatabaseWrapper.commit
 
 
+statements = 0
+
+
+def count_statement(execute, sql, params, many, context):
+    global statements
+    with _lock:
+        statements += 1
+    return execute(sql, params, many, context)
+
+
 def counting_commit(self):
     global commits
     with _lock:
@@ -51,9 +61,9 @@ def run(steps: int, effect: bool) -> dict:
 
 
 def measure(type_name: str, params: dict, steps: int) -> dict:
-    global commits
+    global commits, statements
     task = services.task_create(type=type_name, params=params, limits={"max_subtasks": 1})
-    commits = 0
+    commits = statements = 0
     start = time.perf_counter()
     BaseDatabaseWrapper.commit = counting_commit
     try:
@@ -63,10 +73,20 @@ def measure(type_name: str, params: dict, steps: int) -> dict:
     elapsed = time.perf_counter() - start
     assert outcome == "completed", outcome
     return {"ms_per_step": 1000 * elapsed / steps, "commits_per_step": commits / steps,
+            "statements_per_step": statements / steps,
             "bytes_per_step": stored_bytes(task) / steps}
 
 
 def main():
+    from django.db.backends.signals import connection_created
+
+    def wrap(connection, **kwargs):
+        if count_statement not in connection.execute_wrappers:
+            connection.execute_wrappers.append(count_statement)
+
+    # Every connection, in every thread (runner, step threads, supervisor), counts.
+    connection_created.connect(lambda sender, connection, **kw: wrap(connection))
+    wrap(connection)
     vendor = connection.vendor
     steps = int(os.environ.get("BENCH_STEPS", "500"))
     print(f"database: {vendor}; {steps} steps per run; snapshot retention {settings.ORCH_SNAPSHOT_KEEP}")
@@ -74,8 +94,8 @@ def main():
     for effect in (False, True):
         figures = run(steps, effect)
         label = "side-effect step" if effect else "pure step       "
-        print(f"{label}: {figures['ms_per_step']:.2f} ms/step, {figures['commits_per_step']:.2f} commits/step "
-              f"(incl. heartbeats), {figures['bytes_per_step']:.0f} B stored/step")
+        print(f"{label}: {figures['ms_per_step']:.2f} ms/step, {figures['commits_per_step']:.2f} commits/step, "
+              f"{figures['statements_per_step']:.1f} statements/step (incl. heartbeats, control polls), {figures['bytes_per_step']:.0f} B stored/step")
     rows, batch = 20000, 250
     figures = measure("demo.migrate_rows", {"rows": rows, "batch_size": batch, "rate": 1.0}, rows // batch + 1)
     print(f"demo.migrate_rows {rows} rows / batch {batch}: {figures['ms_per_step']:.2f} ms/step, "

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from ..models import IdempotencyRecord, WalEntry, WalStatus
@@ -71,10 +71,11 @@ def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args
         return entry.result  # decided by a reviewer, or recorded before a crash
     if entry is not None and entry.status == WalStatus.SKIPPED:
         return None  # a reviewer decided the task goes on without this effect
-    recorded = IdempotencyRecord.objects.filter(key=key).first()
+    # A key can only be in the idempotency store once its intent was written: on a first
+    # execution (no entry) there is nothing to look up.
+    recorded = IdempotencyRecord.objects.filter(key=key).first() if entry is not None else None
     if recorded is not None:
-        if entry is not None:
-            completed.append(CompletedEffect(entry.pk, key, tool_name, recorded.result))
+        completed.append(CompletedEffect(entry.pk, key, tool_name, recorded.result))
         return recorded.result
     if entry is not None and entry.status == WalStatus.PENDING and not tool.is_idempotent(entry.args):
         raise AmbiguousEffect(entry)
@@ -128,9 +129,7 @@ def mark_done(effects: list[CompletedEffect]) -> None:
 
 def record_idempotency(key: str, tool: str, result: Any) -> None:
     """For tools whose effect is in this database: record the key in the effect's own
-    transaction, so recovery can tell for certain that it happened."""
-    try:
-        with transaction.atomic():
-            IdempotencyRecord.objects.create(key=key, tool=tool, result=result)
-    except IntegrityError:
-        pass
+    transaction, so recovery can tell for certain that it happened. (A replay finds it
+    there already: ignored, no savepoint needed.)"""
+    IdempotencyRecord.objects.bulk_create([IdempotencyRecord(key=key, tool=tool, result=result)],
+                                          ignore_conflicts=True)
