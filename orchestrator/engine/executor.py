@@ -58,8 +58,29 @@ class Watchdog:
         self.extra = {"task_id": lease.task_id, "lease_epoch": lease.epoch, "worker": f"{lease.host}:{pid}"}
 
     def watch(self) -> str:
+        # A worker being shut down (Ctrl-C, a deploy's SIGTERM) must not leave its executor
+        # and subprocesses behind: it kills them and hands the task back at once.
+        self.shutting_down = False
+        previous = {}
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                previous[signum] = signal.signal(signum, self.on_shutdown)
+            except ValueError:  # not the main thread: leave the handlers alone
+                pass
+        try:
+            return self.watch_loop()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def on_shutdown(self, signum, frame) -> None:
+        self.shutting_down = True
+
+    def watch_loop(self) -> str:
         next_poll = 0.0
         while True:
+            if self.shutting_down:
+                return self.hand_back()
             try:
                 done, status = os.waitpid(self.pid, os.WNOHANG)
             except ChildProcessError:
@@ -108,6 +129,14 @@ class Watchdog:
             return "lease lost"
         log.info("task terminated", extra=self.extra)
         return S.TERMINATED
+
+    def hand_back(self) -> str:
+        self.kill_all()
+        from .recovery import recover_task
+
+        recover_task(self.lease.task_id, dead_lease=self.lease, cause="its worker was shut down", count_attempt=False)
+        log.info("worker shutting down: task handed back", extra={**self.extra, "resume_strategy": "requeue_from_checkpoint"})
+        return "handed back"
 
     def after_exit(self, status: int) -> str:
         leftovers = processes.kill_tree(os.getpid(), include_root=False)

@@ -42,9 +42,10 @@ def sweep() -> list[int]:
     return recovered
 
 
-def recover_task(task_id: int, *, dead_lease=None, cause: str = "") -> bool:
+def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attempt: bool = True) -> bool:
     """Recover one task whose worker is gone: found stale by a sweeper, or reported dead
-    (`dead_lease`) by the worker that watched its executor die."""
+    (`dead_lease`) by the worker that watched its executor die. An orderly worker shutdown
+    does not count against ORCH_MAX_RECOVERY_ATTEMPTS (`count_attempt=False`)."""
     candidates = Task.objects.select_for_update(skip_locked=True).filter(pk=task_id)
     if dead_lease is not None:
         candidates = candidates.filter(lease_epoch=dead_lease.epoch, status__in=(*SWEEPABLE, S.QUEUED))
@@ -54,7 +55,7 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "") -> bool:
         task = candidates.first()
         if task is None:
             return False  # recovered by another sweeper, or alive after all
-        attempt = task.recovery_attempts + 1
+        attempt = task.recovery_attempts + (1 if count_attempt else 0)
         dead_worker = task.lease_owner
         cause = cause or f"heartbeat of {dead_worker or 'its worker'} older than {harness.stale_after_seconds:g} s"
         extra = {"task_id": task.pk, "checkpoint_version": task.checkpoint_version, "event_id": task.event_seq,

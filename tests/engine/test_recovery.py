@@ -98,3 +98,23 @@ def test_recovery_gives_up_after_max_attempts(start_workers, settings, tmp_path)
     assert task.status == "needs_human"
     assert "recovery attempts exhausted" in task.status_reason
     assert TaskEvent.objects.filter(task=task, kind="recovery").count() == 2
+
+
+def stage_processes(task_id: int) -> list[str]:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-af", f"task-{task_id}/stage-"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def test_a_worker_shut_down_kills_its_executor_and_hands_the_task_back(start_workers):
+    first = start_workers(1)
+    task = services.task_create(type="demo.pipeline", params={"stages": 2, "seconds_per_stage": 30})
+    wait_for(lambda: stage_processes(task.pk), timeout=60, message="a stage subprocess")
+    os.killpg(first.proc.pid, signal.SIGTERM)  # a deploy stops the worker host
+    wait_for(lambda: TaskEvent.objects.filter(task=task, kind="recovery").exists(), timeout=10,
+             message="the task to be handed back")
+    wait_for(lambda: not stage_processes(task.pk), timeout=5, message="no stage process left")
+    task = Task.objects.get(pk=task.pk)
+    assert task.lease_owner == "" and task.recovery_attempts == 0  # an orderly shutdown is not a crash
+    assert "shut down" in TaskEvent.objects.get(task=task, kind="recovery").payload["cause"]

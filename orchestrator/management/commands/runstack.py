@@ -27,7 +27,10 @@ class Command(BaseCommand):
             "workers": [python, manage, "qcluster"],
             "sweeper": [python, manage, "recover", "--loop"],
         }
-        procs = {name: subprocess.Popen(argv, cwd=settings.BASE_DIR) for name, argv in commands.items()}
+        # Each in its own process group, so that stopping reaches all of a program's
+        # processes (the worker cluster is several) and nothing is left running.
+        procs = {name: subprocess.Popen(argv, cwd=settings.BASE_DIR, start_new_session=True)
+                 for name, argv in commands.items()}
         self.stdout.write(self.style.SUCCESS(f"Orchestrator running at http://{host}:{port}/  (Ctrl-C stops everything)"))
         stopping = False
 
@@ -45,15 +48,17 @@ class Command(BaseCommand):
                         stopping = True
                 time.sleep(0.2)
         finally:
+            # Workers kill their running tasks' executors and hand the tasks back (they
+            # continue from their checkpoints at the next start); then everything goes.
             for proc in procs.values():
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
+                signal_group(proc, signal.SIGTERM)
             deadline = time.monotonic() + 10
             for proc in procs.values():
                 try:
                     proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    proc.kill()
+                    pass
+                signal_group(proc, signal.SIGKILL)
             self.stdout.write("stopped")
 
     def ensure_admin(self) -> None:
@@ -66,3 +71,10 @@ class Command(BaseCommand):
         credentials.write_text(f"username: admin\npassword: {password}\n")
         self.stdout.write(self.style.WARNING(
             f"Created the first user: admin / {password}  (also saved in {credentials})"))
+
+
+def signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass
