@@ -59,6 +59,21 @@ def make_user(db):
     return make
 
 
+@pytest.fixture
+def viewer(make_user):
+    return make_user("vera", "viewer")
+
+
+@pytest.fixture
+def operator(make_user):
+    return make_user("otto", "operator")
+
+
+@pytest.fixture
+def reviewer(make_user):
+    return make_user("rita", "reviewer")
+
+
 class WorkerCluster:
     """A real `manage.py qcluster` (django-q2) in its own process group."""
 

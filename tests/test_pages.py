@@ -22,16 +22,6 @@ def make_user(username: str, *groups: str, **extra) -> User:
 
 
 @pytest.fixture
-def viewer(db):
-    return make_user("vera", "viewer")
-
-
-@pytest.fixture
-def operator(db):
-    return make_user("otto", "operator")
-
-
-@pytest.fixture
 def superuser(db):
     return User.objects.create_superuser(username="root", password="pw", email="root@localhost")
 

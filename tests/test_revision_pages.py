@@ -18,11 +18,6 @@ BATCHES = ["batch-0001", "batch-0002", "batch-0003", "batch-0004", "batch-0005"]
 
 
 @pytest.fixture
-def operator(make_user):
-    return make_user("otto", "operator")
-
-
-@pytest.fixture
 def paused_task():
     """demo.migrate_rows, 5 batches of 100, paused by max_steps=3: prepare-source and
     batch-0001..0002 done (rate 1.0)."""

@@ -61,11 +61,6 @@ def add_events(task_id: int, count: int) -> int:
     return Task.objects.get(pk=task_id).event_seq
 
 
-@pytest.fixture
-def viewer(make_user):
-    return make_user("vera", "viewer")
-
-
 async def test_anonymous_and_roleless_websockets_are_refused(make_user):
     task = await database_sync_to_async(services.task_create)(type="demo.pipeline", params={})
     for path in ("/ws/tasks/", f"/ws/tasks/{task.pk}/"):

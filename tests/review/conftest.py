@@ -26,19 +26,6 @@ def review_item(db):
     return make_review()
 
 
-@pytest.fixture
-def reviewer(make_user):
-    return make_user("rita", "reviewer")
-
-
-@pytest.fixture
-def operator(make_user):
-    return make_user("otto", "operator")
-
-
-@pytest.fixture
-def viewer(make_user):
-    return make_user("vera", "viewer")
 
 
 def logged_in(user) -> Client:
