@@ -126,3 +126,44 @@ class Diamond(TaskType):
         if step_id == "c":
             return ctx.deps["b"] + 1
         return "d"
+
+
+class FlakyParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: str = Field(..., pattern="^(same|changing|transient)$")
+    marker: str = ""  # a file path: `transient` fails until it exists (and creates it)
+    resource: str = ""  # a path validate_resources requires to exist
+
+
+@register
+class Flaky(TaskType):
+    """One step that fails: always the same way, differently each time, or once."""
+
+    name = "test.flaky"
+    Params = FlakyParams
+
+    def plan(self, params):
+        return [StepSpec("work")]
+
+    def run_step(self, ctx, step_id):
+        import os
+
+        mode = ctx.params.mode
+        if mode == "same":
+            raise ValueError(f"row {time.monotonic_ns()} is malformed at offset 0x{id(self):x}")
+        if mode == "changing":  # a different exception on each attempt (counted in `marker`)
+            count = int(open(ctx.params.marker).read()) if os.path.exists(ctx.params.marker) else 0
+            with open(ctx.params.marker, "w") as f:
+                f.write(str(count + 1))
+            raise [KeyError, TypeError, RuntimeError, OSError][count % 4]("varies")
+        if not os.path.exists(ctx.params.marker):
+            open(ctx.params.marker, "w").close()
+            raise ConnectionError("upstream timed out")
+        return "ok"
+
+    def validate_resources(self, task):
+        import os
+
+        path = task.params.get("resource")
+        if path and not os.path.exists(path):
+            raise FileNotFoundError(f"input file {path} is gone")
