@@ -22,7 +22,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper  # noqa: E402
 
 from orchestrator.engine import services  # noqa: E402
 from orchestrator.engine.worker import drive_inline  # noqa: E402
-from orchestrator.models import Snapshot, Step, TaskEvent, WalEntry, IdempotencyRecord  # noqa: E402
+from orchestrator.models import Snapshot, Step, TaskEvent, WalEntry  # noqa: E402
 
 commits = 0
 _lock = threading.Lock()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Q
 from django.utils import timezone
 
 from ..conf import harness
@@ -81,11 +81,6 @@ def heartbeat(lease: Lease) -> bool:
     return lease.fenced().update(heartbeat_at=timezone.now()) == 1
 
 
-def release(lease: Lease) -> bool:
-    """Give the lease up without changing the status (the next slice claims it again)."""
-    return lease.fenced().update(lease_owner="", heartbeat_at=timezone.now()) == 1
-
-
 def lock_fenced(lease: Lease) -> Task:
     """Lock the task row and check the lease inside the current transaction."""
     task = states.lock_task(lease.task_id)
@@ -104,5 +99,3 @@ def bump_fenced(lease: Lease, **updates) -> None:
     if lease.fenced().update(**(updates or {"heartbeat_at": timezone.now()})) != 1:
         raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale")
 
-
-__all__ = ["Lease", "LeaseLost", "claim", "heartbeat", "release", "lock_fenced", "bump_fenced", "F"]

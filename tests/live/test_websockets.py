@@ -5,7 +5,6 @@ import asyncio
 import pytest
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
-from django.contrib.auth.models import AnonymousUser
 
 from orchestrator.asgi import application
 from orchestrator.engine import services
