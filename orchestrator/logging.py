@@ -1,7 +1,7 @@
 """Structured log lines: `message key=value ...` with the task's context fields."""
 import logging
 
-CONTEXT_FIELDS = ("task_id", "step_id", "checkpoint_version", "event_id", "lease_epoch",
+CONTEXT_FIELDS = ("task_id", "step_id", "checkpoint_version", "event_id", "wal_entry_id", "lease_epoch",
                   "resume_strategy", "recovery_attempt", "worker")
 
 

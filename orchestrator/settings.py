@@ -135,7 +135,7 @@ else:
 # --- Email ----------------------------------------------------------------------------
 EMAIL_HOST = os.environ.get("EMAIL_HOST", "127.0.0.1")
 EMAIL_PORT = int(os.environ.get("EMAIL_PORT", "1025"))
-EMAIL_TIMEOUT = int(os.environ.get("EMAIL_TIMEOUT", "30"))
+EMAIL_TIMEOUT = float(os.environ.get("EMAIL_TIMEOUT", "30"))
 DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "orchestrator@localhost")
 
 # --- Auth, i18n, static ---------------------------------------------------------------

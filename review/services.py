@@ -24,18 +24,21 @@ class ReviewClosed(Exception):
     """The item was decided already (HTTP 409)."""
 
 
-def review_open(*, entry: WalEntry, reason: str, dead_worker: str = "") -> ReviewItem:
-    """Open (or return the open) review item for a WAL entry in doubt; in the caller's transaction."""
+def review_open(*, entry: WalEntry, reason: str, dead_worker: str = "", evidence: dict | None = None) -> ReviewItem:
+    """Open (or return the open) review item for a WAL entry in doubt; in the caller's transaction.
+    `evidence`: what the tool itself saw when the outcome became unknown (its phase, its error),
+    added to what the tool can tell about the key."""
     existing = ReviewItem.objects.filter(wal_entry=entry).first()
     if existing is not None:
         return existing
     try:
-        evidence = get_tool(entry.tool).evidence(entry.args, key=entry.idempotency_key)
+        gathered = get_tool(entry.tool).evidence(entry.args, key=entry.idempotency_key) or {}
     except Exception as exc:  # evidence is a courtesy; its absence must not block the review
-        evidence = {"error": f"could not gather evidence: {exc}"}
+        gathered = {"error": f"could not gather evidence: {exc}"}
+    evidence = {**gathered, **(evidence or {})} or None
     item = ReviewItem.objects.create(task_id=entry.task_id, wal_entry=entry, reason=reason, dead_worker=dead_worker,
                                      evidence=evidence)
-    log.warning("review opened", extra={"task_id": entry.task_id, "event_id": entry.pk,
+    log.warning("review opened", extra={"task_id": entry.task_id, "wal_entry_id": entry.pk,
                                         "resume_strategy": "awaiting_review"})
     return item
 
@@ -85,7 +88,7 @@ def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=
             states.transition(task, S.QUEUED, reason="every review decided; continuing", actor=actor, ip=ip,
                               action="review.resume", lease_owner="")
             scheduler.enqueue(task.pk)
-    log.info("review decided: %s", decision, extra={"task_id": task.pk, "event_id": entry.pk,
+    log.info("review decided: %s", decision, extra={"task_id": task.pk, "wal_entry_id": entry.pk,
                                                     "resume_strategy": f"review:{decision}"})
     return item
 

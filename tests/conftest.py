@@ -146,3 +146,23 @@ def smtp_server():
     controller.start()
     yield inbox
     controller.stop()
+
+
+@pytest.fixture
+def misbehaving_smtp():
+    """A real SMTP server whose behaviour the test switches (tests/support/misbehaving.py)."""
+    from tests.support.misbehaving import SmtpServer
+
+    server = SmtpServer(free_port()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def silent_http():
+    """An HTTP server that reads each request and never answers."""
+    from tests.support.misbehaving import SilentHttpServer
+
+    server = SilentHttpServer()
+    yield server
+    server.stop()

@@ -318,8 +318,10 @@ class Runner:
                 self.record_failure(flight, str(exc), retrying=True)
             return
         except AmbiguousEffect as exc:
-            log.warning("ambiguous effect: waiting for review", extra={**extra, "event_id": exc.entry.pk})
-            self.ambiguous.append(exc.entry)
+            log.warning("ambiguous effect: waiting for review", extra={**extra, "wal_entry_id": exc.entry.pk})
+            self.ambiguous.append(exc)
+            if ctx.completed_effects:  # earlier effects of this step did happen: commit their `done`
+                self.record_failure(flight, str(exc), retrying=True)
             return
         except Exception as exc:  # the step's own failure: retry with backoff, then fail the task
             attempts = self.plan.attempts.get(step_id, 0) + 1
@@ -404,12 +406,10 @@ class Runner:
         if self.ambiguous:
             from review.services import review_open
 
-            keys = ", ".join(e.idempotency_key for e in self.ambiguous)
-            for entry in self.ambiguous:
-                review_open(entry=entry, dead_worker=entry.worker,
-                            reason=f"The step was retried and found this {entry.tool} intent still pending: an "
-                                   f"earlier attempt (worker {entry.worker}) failed after writing the intent, so "
-                                   f"whether the effect happened is unknown.")
+            keys = ", ".join(a.entry.idempotency_key for a in self.ambiguous)
+            for ambiguous in self.ambiguous:
+                review_open(entry=ambiguous.entry, dead_worker=ambiguous.entry.worker, reason=ambiguous.reason,
+                            evidence=ambiguous.evidence)
             states.transition(task, S.AWAITING_REVIEW, reason=f"side effect in doubt: {keys}", **released)
             return S.AWAITING_REVIEW
         if self.needs_human:

@@ -7,6 +7,15 @@
    the step's checkpoint (runner), so a side-effect step costs two commits: intent and
    checkpoint. If the step raises after the effect, the runner still commits the `done`.
 
+How a tool's failure is read (tools/base.py):
+- ToolError: *not performed* (nothing reached the other side, or it refused before
+  accepting): the entry is `failed`, the step retries with the same key.
+- Cancelled raised by the tool: cancelled before anything left: as not performed.
+- OutcomeUnknown, or any other exception (fail closed): the request may have reached the
+  other side. An idempotent tool retries with the same key; a non-idempotent one stays
+  `pending` with the error recorded and raises AmbiguousEffect: the task goes to review,
+  exactly as if its worker had died in the middle of the call.
+
 Before performing, the WAL and the idempotency store are consulted: a recorded result is
 reused, never performed twice. A `pending` entry found on re-execution means an earlier
 attempt died in doubt: idempotent tools replay it; non-idempotent ones must not guess and
@@ -20,7 +29,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from ..models import IdempotencyRecord, WalEntry, WalStatus
-from ..tools.base import get_tool
+from ..tools.base import OutcomeUnknown, ToolError, get_tool
+from .cancellation import Cancelled
 from .faults import fault_point
 from .lease import Lease, bump_fenced
 
@@ -28,11 +38,17 @@ log = logging.getLogger(__name__)
 
 
 class AmbiguousEffect(Exception):
-    """A non-idempotent effect may or may not have happened: a human must decide."""
+    """A non-idempotent effect may or may not have happened: a human must decide.
 
-    def __init__(self, entry: WalEntry):
+    `reason` says why nobody knows (for the review item); `evidence` is what the tool saw."""
+
+    def __init__(self, entry: WalEntry, *, reason: str = "", evidence: dict | None = None):
         super().__init__(f"{entry.tool} with key {entry.idempotency_key} may or may not have happened")
         self.entry = entry
+        self.reason = reason or (
+            f"The step was retried and found this {entry.tool} intent still pending: an earlier attempt "
+            f"(worker {entry.worker}) failed after writing the intent, so whether the effect happened is unknown.")
+        self.evidence = evidence or {}
 
 
 class EffectFailed(Exception):
@@ -90,9 +106,24 @@ def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args
     fault_point("after_intent", step_id)
     try:
         result = tool.perform(args, key=key, token=token)  # tools hold the "during_effect" fault point
-    except Exception as exc:
+    except (ToolError, Cancelled) as exc:  # not performed: retrying with the same key is safe
         mark_failed(entry.pk, exc)
+        if isinstance(exc, Cancelled):
+            raise
         raise EffectFailed(entry.pk, exc) from exc
+    except Exception as exc:
+        unknown = exc if isinstance(exc, OutcomeUnknown) else OutcomeUnknown(
+            f"{tool_name} raised an unexpected {type(exc).__name__}: {exc}; whether it took effect is unknown",
+            evidence={"error": f"{type(exc).__name__}: {exc}"})
+        if entry.idempotent:
+            mark_failed(entry.pk, unknown)  # a replay with the same key cannot duplicate it
+            raise EffectFailed(entry.pk, unknown) from exc
+        mark_unknown(entry.pk, unknown)
+        log.warning("effect outcome unknown: waiting for review",
+                    extra={"task_id": lease.task_id, "step_id": step_id, "wal_entry_id": entry.pk})
+        raise AmbiguousEffect(entry, reason=f"{unknown}. {tool_name} is not idempotent: repeating it could do it "
+                                            f"twice, skipping it could lose it.",
+                              evidence={"failure": str(unknown), **unknown.evidence}) from exc
     fault_point("after_effect", step_id)
     completed.append(CompletedEffect(entry.pk, key, tool_name, result))
     return result
@@ -106,13 +137,19 @@ def write_intent(*, lease: Lease, step_id: str, call_index: int, tool_name: str,
             task_id=lease.task_id, step_id=step_id, call_index=call_index, tool=tool_name, args=args,
             idempotency_key=key, idempotent=idempotent, lease_epoch=lease.epoch,
             worker=f"{lease.host}:{lease.pid}")
-    log.debug("wal intent", extra={"task_id": lease.task_id, "step_id": step_id, "event_id": entry.pk})
+    log.debug("wal intent", extra={"task_id": lease.task_id, "step_id": step_id, "wal_entry_id": entry.pk})
     return entry
 
 
 def mark_failed(entry_id: int, error: Exception) -> None:
     WalEntry.objects.filter(pk=entry_id, status=WalStatus.PENDING).update(
         status=WalStatus.FAILED, error=f"{type(error).__name__}: {error}"[:5000], completed_at=timezone.now())
+
+
+def mark_unknown(entry_id: int, error: Exception) -> None:
+    """The entry stays `pending` (in doubt, exactly as after a crash); the error says why."""
+    WalEntry.objects.filter(pk=entry_id, status=WalStatus.PENDING).update(
+        error=f"outcome unknown: {error}"[:5000])
 
 
 def mark_done(effects: list[CompletedEffect]) -> None:

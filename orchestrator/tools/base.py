@@ -7,7 +7,24 @@ from ..engine.cancellation import CancellationToken
 
 
 class ToolError(Exception):
-    """The side effect failed (and did not happen, as far as the tool can tell)."""
+    """The effect was *not performed*: the tool knows nothing reached the other side, or the
+    other side refused before accepting anything (connection refused, DNS failure, an SMTP
+    4xx/5xx to MAIL/RCPT/DATA, an HTTP response with an error status). Safe to retry."""
+
+
+NotPerformed = ToolError
+
+
+class OutcomeUnknown(Exception):
+    """The request may have reached the other side and its answer never came (a timeout or
+    reset after sending, a disconnect after SMTP DATA, cancellation while in flight).
+    A non-idempotent effect in this state goes to review; nobody guesses.
+
+    `evidence` is what the tool saw (the phase it was in, the error), for the reviewer."""
+
+    def __init__(self, message: str, *, evidence: dict | None = None):
+        super().__init__(message)
+        self.evidence = evidence or {}
 
 
 class Tool:

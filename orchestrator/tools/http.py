@@ -2,21 +2,64 @@
 slow or streaming response is aborted by closing it from the cancelling thread); the
 `http.request` tool wraps it as a side effect: idempotent when the method is (GET, HEAD,
 PUT, DELETE, OPTIONS) or when the call sends an Idempotency-Key header
-(`"idempotency_key": true` in args), which the server uses to drop repeats."""
+(`"idempotency_key": true` in args), which the server uses to drop repeats.
+
+A failure says whether the request can have reached the server: before the connection
+is up (refused, DNS, a connect timeout) it is *not performed*, and so is any answer with
+a status; once the connection is up, a timeout, a reset or a cancellation before the
+status arrives is *outcome unknown* (the server may be acting on it right now)."""
+import http.client
 import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
+from ..engine.cancellation import Cancelled
 from ..engine.faults import fault_point_for_key
-from .base import Tool, ToolError, register
+from .base import OutcomeUnknown, Tool, ToolError, register
 
 IDEMPOTENT_METHODS = {"GET", "HEAD", "PUT", "DELETE", "OPTIONS"}
 MAX_BODY = 1_000_000
 
 
-def open_request(args: dict, *, token, idempotency_key: str | None = None):
+class ResponseBroken(ToolError):
+    """The status arrived but the body broke off. For a read it is a failed read (retry);
+    for a side effect the server acted and its answer is lost (outcome unknown)."""
+
+
+class RequestProgress:
+    """How far a request got: `connected` once a connection to the server was up (from
+    then on bytes of the request may have reached it)."""
+
+    def __init__(self):
+        self.connected = False
+
+    def connection_class(self, base: type[http.client.HTTPConnection]):
+        progress = self
+
+        class Tracked(base):
+            def connect(self):
+                super().connect()
+                progress.connected = True
+
+        return Tracked
+
+
+def _opener(progress: RequestProgress) -> urllib.request.OpenerDirector:
+    class Handler(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(progress.connection_class(http.client.HTTPConnection), req)
+
+    class SecureHandler(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(progress.connection_class(http.client.HTTPSConnection), req, context=self._context)
+
+    return urllib.request.build_opener(Handler, SecureHandler)
+
+
+def open_request(args: dict, *, token, idempotency_key: str | None = None, progress: RequestProgress | None = None):
     token.raise_if_cancelled()
+    progress = progress or RequestProgress()
     headers = dict(args.get("headers") or {})
     data = None
     if "json" in args:
@@ -29,12 +72,21 @@ def open_request(args: dict, *, token, idempotency_key: str | None = None):
     request = urllib.request.Request(args["url"], data=data, headers=headers,
                                      method=args.get("method", "GET").upper())
     try:
-        return urllib.request.urlopen(request, timeout=float(args.get("timeout", 30)))
+        return _opener(progress).open(request, timeout=float(args.get("timeout", 30)))
     except urllib.error.HTTPError as exc:
         raise ToolError(f"{request.method} {args['url']} answered {exc.code} {exc.reason}") from exc
     except OSError as exc:
         token.raise_if_cancelled()
-        raise ToolError(f"{request.method} {args['url']} failed: {exc}") from exc
+        if progress.connected:
+            raise OutcomeUnknown(
+                f"{request.method} {args['url']}: the request was sent but no answer came ({type(exc).__name__}: "
+                f"{exc}); the server may have acted on it", evidence=_evidence(request, exc)) from exc
+        raise ToolError(f"{request.method} {args['url']} failed before it reached the server: {exc}") from exc
+
+
+def _evidence(request, error) -> dict:
+    return {"phase": "after sending, before the response", "method": request.method, "url": request.full_url,
+            "error": f"{type(error).__name__}: {error}"}
 
 
 def iter_response(response, *, token, url: str, lines: bool = False) -> Iterator[bytes]:
@@ -50,17 +102,18 @@ def iter_response(response, *, token, url: str, lines: bool = False) -> Iterator
             yield chunk
     except (OSError, ValueError, AttributeError) as exc:
         token.raise_if_cancelled()
-        raise ToolError(f"reading {url} failed: {exc}") from exc
+        raise ResponseBroken(f"reading {url} failed: {exc}") from exc
     finally:
         unregister()
         response.close()
     token.raise_if_cancelled()
 
 
-def http_call(args: dict, *, token, idempotency_key: str | None = None) -> dict:
+def http_call(args: dict, *, token, idempotency_key: str | None = None,
+              progress: RequestProgress | None = None) -> dict:
     """Perform one request: {method, url, headers?, json?|body?, timeout?}."""
     with token.track("http", f"{args.get('method', 'GET').upper()} {args['url']}"):
-        response = open_request(args, token=token, idempotency_key=idempotency_key)
+        response = open_request(args, token=token, idempotency_key=idempotency_key, progress=progress)
         if idempotency_key:
             fault_point_for_key("during_effect", idempotency_key)  # crash tests: sent, answer unread
         chunks, size = [], 0
@@ -86,4 +139,17 @@ class HttpRequest(Tool):
             raise ToolError(f"http.request needs an http(s) url; got {args.get('url')!r}")
 
     def perform(self, args: dict, *, key: str, token) -> dict:
-        return http_call(args, token=token, idempotency_key=key if args.get("idempotency_key") else None)
+        progress = RequestProgress()
+        method = args.get("method", "GET").upper()
+        try:
+            return http_call(args, token=token, idempotency_key=key if args.get("idempotency_key") else None,
+                             progress=progress)
+        except Cancelled as exc:
+            if not progress.connected:
+                raise  # cancelled before anything left: not performed
+            raise OutcomeUnknown(f"{method} {args['url']} was cancelled ({exc}) after the request was sent",
+                                 evidence={"phase": "cancelled in flight", "method": method, "url": args["url"],
+                                           "cancelled": str(exc)}) from exc
+        except ResponseBroken as exc:
+            raise OutcomeUnknown(f"{method} {args['url']}: {exc}", evidence={
+                "phase": "reading the response", "method": method, "url": args["url"], "error": str(exc)}) from exc

@@ -1,16 +1,26 @@
 """shell.run: a subprocess in its own process group, killed (the whole group) when the
 step's token is cancelled, so no descendant survives a Stop. Idempotent only when the
-caller says the command is (`"idempotent": true`, e.g. a stage that rewrites its output)."""
+caller says the command is (`"idempotent": true`, e.g. a stage that rewrites its output).
+
+Outcome classes: a command that could not start, or exited non-zero, is *not performed*
+(by convention a failing command reports its failure; retry); one killed by its timeout
+or by a cancellation while running is *outcome unknown* (it may have done part or all of
+its work)."""
 import os
 import signal
 import subprocess
 import threading
 import time
 
-from .base import Tool, ToolError, register
+from ..engine.cancellation import Cancelled
+from .base import OutcomeUnknown, Tool, ToolError, register
 
 OUTPUT_TAIL = 4000
 TERM_GRACE_SECONDS = 1.0
+
+
+class CommandTimedOut(ToolError):
+    """The command ran past its timeout and was killed."""
 
 
 def kill_group(proc: subprocess.Popen, grace: float = TERM_GRACE_SECONDS) -> None:
@@ -46,7 +56,7 @@ def run_in_group(argv: list[str], *, token, cwd: str | None = None, env: dict | 
         except subprocess.TimeoutExpired:
             kill_group(proc)
             stdout, stderr = proc.communicate()
-            raise ToolError(f"{argv[0]} did not finish within {timeout} s and was killed")
+            raise CommandTimedOut(f"{argv[0]} did not finish within {timeout} s and was killed")
         finally:
             unregister()
     token.raise_if_cancelled()
@@ -67,9 +77,17 @@ class ShellRun(Tool):
             raise ToolError(f"shell.run needs argv as a list of strings; got {argv!r}")
 
     def perform(self, args: dict, *, key: str, token) -> dict:
-        done = run_in_group(args["argv"], token=token, cwd=args.get("cwd"),
-                            env={**(args.get("env") or {}), "ORCH_IDEMPOTENCY_KEY": key},
-                            timeout=args.get("timeout"))
+        token.raise_if_cancelled()
+        try:
+            done = run_in_group(args["argv"], token=token, cwd=args.get("cwd"),
+                                env={**(args.get("env") or {}), "ORCH_IDEMPOTENCY_KEY": key},
+                                timeout=args.get("timeout"))
+        except FileNotFoundError as exc:
+            raise ToolError(f"{args['argv'][0]} could not be started: {exc}") from exc
+        except (CommandTimedOut, Cancelled) as exc:
+            raise OutcomeUnknown(f"{args['argv'][0]} was killed while running ({exc}); it may have done some or "
+                                 f"all of its work", evidence={"phase": "running", "argv": args["argv"],
+                                                               "error": str(exc)}) from exc
         result = {"returncode": done.returncode, "stdout": done.stdout[-OUTPUT_TAIL:],
                   "stderr": done.stderr[-OUTPUT_TAIL:]}
         if done.returncode != 0:

@@ -6,6 +6,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.tasktypes import register
 from orchestrator.tasktypes.base import StepSpec, TaskType
+from orchestrator.tools.base import Tool, register as register_tool
+
+
+@register_tool
+class Explode(Tool):
+    """A non-idempotent tool whose driver fails in a way it did not foresee."""
+
+    name = "test.explode"
+
+    def perform(self, args, *, key, token):
+        raise RuntimeError("driver crashed in the middle of the call")
 
 # A long-running child process: python -c "<script>" TAG
 SLEEPER = "import sys, time; time.sleep(600)"
@@ -70,9 +81,10 @@ class Interruptible(TaskType):
 
 class EffectsParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    kind: str = Field(..., pattern="^(idempotent|keyed|nonidempotent)$")
+    kind: str = Field(..., pattern="^(idempotent|keyed|nonidempotent|post|explode)$")
     url: str = ""
     to: str = "someone@example.org"
+    timeout: float = 30
 
 
 @register
@@ -96,6 +108,11 @@ class Effects(TaskType):
         if kind == "keyed":
             return ctx.effect("http.request", {"method": "POST", "url": ctx.params.url, "json": {"amount": 42},
                                                "idempotency_key": True})
+        if kind == "post":  # non-idempotent: no Idempotency-Key
+            return ctx.effect("http.request", {"method": "POST", "url": ctx.params.url, "json": {"amount": 42},
+                                               "timeout": ctx.params.timeout})
+        if kind == "explode":
+            return ctx.effect("test.explode", {})
         return ctx.effect("email.send", {"to": ctx.params.to, "subject": f"task {ctx.task_id}", "body": "hello"})
 
 
