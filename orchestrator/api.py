@@ -8,6 +8,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 
 from django.http import HttpRequest
 from ninja import NinjaAPI, Schema, Status
+from pydantic import Field
 from ninja.errors import ValidationError as NinjaValidationError
 from ninja.security import HttpBearer, SessionAuth
 
@@ -301,6 +302,9 @@ class ResumeIn(ControlIn):
     limits: dict[str, Any] | None = None
     dry_run: bool = False
     expected_version: int | None = None
+    repeat_effects: list[str] | None = Field(None, description=(
+        "Idempotency keys of the non-idempotent side effects the edit performs again (the "
+        "preview's `must_confirm`), each confirmed explicitly; without them the edit is refused (409)."))
 
 
 class PreviewOut(Schema):
@@ -312,9 +316,8 @@ class PreviewOut(Schema):
     removed: list[str]
     pending: list[str]
     repeated_effects: list[dict]
+    must_confirm: list[str]
     effects_after: list[dict]
-    blocking: list[dict]
-    can_apply: bool
     rollback_to: int | None
 
 
@@ -329,9 +332,11 @@ class RevisionOut(Schema):
 def resume_task(request, task_id: int, body: ResumeIn | None = None):
     """Resume a paused task from its checkpoint. With `params`, the parameters are edited
     first: `dry_run: true` returns the impact preview (which finished steps are kept, which
-    run again, which side effects that repeats, what blocks) and changes nothing; applying
-    it with the preview's `version` as `expected_version` is refused (409) if the task
-    changed meanwhile. `limits` raises limits (a task paused by a limit needs that)."""
+    run again, which side effects that repeats) and changes nothing; applying it with the
+    preview's `version` as `expected_version` is refused (409) if the task changed meanwhile,
+    or if it would perform a non-idempotent effect again that `repeat_effects` does not
+    confirm (the preview's `must_confirm`). `limits` raises limits (a task paused by a limit
+    needs that)."""
     require(request, roles.OPERATOR)
     task = get_task(task_id)
     body = body or ResumeIn()
@@ -342,7 +347,8 @@ def resume_task(request, task_id: int, body: ResumeIn | None = None):
             preview = revisions.preview_edit(task, new_params)[0]
         else:
             preview = revisions.apply_edit(task_id=task_id, new_params=new_params, expected_version=body.expected_version,
-                                           limits=body.limits, actor=request.auth, ip=client_ip(request))
+                                           limits=body.limits, repeat_effects=body.repeat_effects,
+                                           actor=request.auth, ip=client_ip(request))
     elif body.dry_run:
         preview = revisions.preview_edit(task, task.params)[0]
     else:
@@ -356,20 +362,25 @@ class RollbackIn(Schema):
     version: int
     dry_run: bool = False
     expected_version: int | None = None
+    repeat_effects: list[str] | None = Field(None, description=(
+        "Idempotency keys of the non-idempotent side effects the rollback performs again (the "
+        "preview's `must_confirm`); without them the rollback is refused (409)."))
 
 
 @api.post("/tasks/{task_id}/rollback", response={200: RevisionOut, 409: ErrorOut, 422: ErrorOut, **ERRORS},
           tags=["control"])
 def rollback_task(request, task_id: int, body: RollbackIn):
     """Roll a paused task back to snapshot `version` and resume from there. The preview lists
-    the side effects performed after that version: they are not undone."""
+    the side effects performed after that version (they are not undone) and those the
+    re-run performs again; the non-idempotent ones must be confirmed in `repeat_effects`."""
     require(request, roles.OPERATOR)
     task = get_task(task_id)
     if body.dry_run:
         preview = revisions.preview_rollback(task, body.version)
     else:
         preview = revisions.apply_rollback(task_id=task_id, version=body.version, expected_version=body.expected_version,
-                                           actor=request.auth, ip=client_ip(request))
+                                           repeat_effects=body.repeat_effects, actor=request.auth,
+                                           ip=client_ip(request))
     return RevisionOut(applied=not body.dry_run, preview=preview.as_dict(), task=task_out(get_task(task_id)))
 
 

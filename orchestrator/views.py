@@ -666,7 +666,11 @@ def _edit_confirm(request, task: Task, task_type):
         return render(request, "orchestrator/task_edit.html", context, status=422)
     try:
         preview = revisions.apply_edit(task_id=task.pk, new_params=params, expected_version=expected_version,
-                                       limits=limit_values or None, actor=request.user, ip=client_ip(request))
+                                       limits=limit_values or None, repeat_effects=request.POST.getlist("repeat_effects"),
+                                       actor=request.user, ip=client_ip(request))
+    except (revisions.RepeatNotConfirmed, services.InvalidInput) as exc:
+        messages.error(request, str(exc))
+        return _edit_preview(request, get_task(task.pk), params, limit_values, status=409)
     except revisions.StalePreview:
         messages.error(request, f"Not applied: the task changed since your preview. This is a fresh preview of "
                                 f"task #{task.pk} as it is now; review it and confirm again.")
@@ -732,7 +736,11 @@ def task_rollback(request, task_id: int, version: int):
         return HttpResponseBadRequest("Confirm with the preview's hidden expected_version.")
     try:
         preview = revisions.apply_rollback(task_id=task.pk, version=version, expected_version=expected_version,
+                                           repeat_effects=request.POST.getlist("repeat_effects"),
                                            actor=request.user, ip=client_ip(request))
+    except (revisions.RepeatNotConfirmed, services.InvalidInput) as exc:
+        messages.error(request, str(exc))
+        return _rollback_preview(request, get_task(task.pk), version, status=409)
     except revisions.StalePreview:
         messages.error(request, f"Not applied: the task changed since your preview. This is a fresh preview of "
                                 f"the rollback to v{version}; review it and confirm again.")

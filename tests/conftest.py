@@ -166,3 +166,11 @@ def silent_http():
     server = SilentHttpServer()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def smtp(misbehaving_smtp, settings):
+    """The misbehaving SMTP server (mode "ok" until the test switches it), used by this
+    process's email.send (inline runs), with a short client timeout."""
+    settings.EMAIL_HOST, settings.EMAIL_PORT, settings.EMAIL_TIMEOUT = "127.0.0.1", misbehaving_smtp.port, 1.0
+    return misbehaving_smtp

@@ -61,8 +61,8 @@ def test_resume_with_params_dry_run_prints_the_preview_and_changes_nothing(capsy
     assert "kept (1): prepare-source" in out
     assert "re-run (2): batch-0001, batch-0002" in out
     assert "still to run (5): batch-0001, batch-0002, batch-0003, batch-0004, batch-0005" in out
-    assert "side effects re-running repeats (2):" in out and "db.upsert" in out and "idempotent" in out
-    assert "can apply: yes" in out and "dry run: nothing changed" in out
+    assert "side effects performed again (2):" in out and "db.upsert" in out and "replays harmlessly" in out
+    assert "must confirm: nothing" in out and "dry run: nothing changed" in out
     task = Task.objects.get(pk=task_id)
     assert task.status == "paused" and task.params["rate"] == 1.0 and task.event_seq == seq
 
@@ -87,7 +87,7 @@ def test_resume_with_params_applies_the_edit_and_the_task_completes(capsys):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_resume_with_bad_params_or_a_blocking_edit_exits_with_an_error(capsys, mailoutbox):
+def test_resume_with_bad_params_or_an_unconfirmed_repeat_exits_with_an_error(capsys, smtp):
     from orchestrator.engine.worker import drive_inline
 
     task_id = paused_migration(capsys)
@@ -99,13 +99,16 @@ def test_resume_with_bad_params_or_a_blocking_edit_exits_with_an_error(capsys, m
                  "--param", "subject=Hi", "--limit", "max_steps=1", "--limit", "max_subtasks=1")
     notify_id = int(capsys.readouterr().out.strip().splitlines()[-1])
     drive_inline(notify_id)
-    assert Task.objects.get(pk=notify_id).status == "paused" and len(mailoutbox) == 1
-    with pytest.raises(CommandError, match="cannot be applied: send-001 already performed email.send"):
+    assert Task.objects.get(pk=notify_id).status == "paused" and len(smtp.received) == 1
+    with pytest.raises(CommandError, match="would perform 1 non-idempotent side effect"):
         call_command("tasks", "resume", str(notify_id), "--param", "subject=Hello")
     out = capsys.readouterr().out
-    assert "blocking: send-001" in out and "NOT idempotent" in out and "can apply: no" in out
+    assert "will be sent again to a@example.org" in out and "confirm with --repeat-effect KEY" in out
     task = Task.objects.get(pk=notify_id)
-    assert task.status == "paused" and task.params["subject"] == "Hi" and len(mailoutbox) == 1
+    assert task.status == "paused" and task.params["subject"] == "Hi" and len(smtp.received) == 1
+    key = task.wal_entries.get().idempotency_key
+    call_command("tasks", "resume", str(notify_id), "--param", "subject=Hello", "--repeat-effect", key)
+    assert Task.objects.get(pk=notify_id).status == "queued"
 
 
 @pytest.mark.django_db(transaction=True)

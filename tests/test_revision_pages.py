@@ -192,19 +192,40 @@ def test_confirm_without_the_hidden_fields_is_a_bad_request(client, operator, pa
     assert client.post(rollback_url(paused_task.pk, 2), {}).status_code == 400
 
 
-def test_a_blocking_edit_offers_a_new_task_with_the_new_params(client, operator, mailoutbox):
+def test_an_edit_that_repeats_an_email_needs_its_checkbox_ticked_or_offers_a_new_task(client, operator, smtp):
     task = services.task_create(type="demo.notify", params={"recipients": ["a@example.org", "b@example.org"],
                                                             "subject": "Hi"}, limits={"max_steps": 1, "max_subtasks": 1})
     drive_inline(task.pk)
     task = Task.objects.get(pk=task.pk)
-    assert task.status == "paused" and len(mailoutbox) == 1
+    assert task.status == "paused" and len(smtp.received) == 1
+    key = task.wal_entries.get().idempotency_key
     client.force_login(operator)
     data = {"params.recipients": "a@example.org\nb@example.org", "params.subject": "Hello", "preview": "1"}
     data.update({f"params.{k}": str(v) for k, v in task.params.items() if k not in ("recipients", "subject")})
     body = client.post(edit_url(task.pk), data).content.decode()
-    assert 'data-can-apply="no"' in body and 'data-testid="btn-confirm"' not in body
-    assert 'data-testid="blocking-reason" data-step-id="send-001"' in body and "not idempotent" in body
+    assert 'data-must-confirm="1"' in body and 'data-testid="repeat-warning"' in body
+    assert f'name="repeat_effects" value="{key}" form="confirm-form"' in body
+    assert "will be sent again to a@example.org" in body
     assert 'data-testid="btn-clone"' in body
+
+    refused = client.post(edit_url(task.pk), confirm_data(body))  # the box left unticked
+    assert refused.status_code == 409 and "would perform 1 non-idempotent side effect" in refused.content.decode()
+    assert Task.objects.get(pk=task.pk).params["subject"] == "Hi"
+    response = client.post(edit_url(task.pk), {**confirm_data(refused.content.decode()), "repeat_effects": key})
+    assert response.status_code == 302
+    assert Task.objects.get(pk=task.pk).params["subject"] == "Hello"
+    assert AuditEntry.objects.get(task=task, action="effect.repeat_confirmed").actor == operator
+
+
+def test_a_repeating_edit_can_start_a_new_task_instead(client, operator, smtp):
+    task = services.task_create(type="demo.notify", params={"recipients": ["a@example.org", "b@example.org"],
+                                                            "subject": "Hi"}, limits={"max_steps": 1, "max_subtasks": 1})
+    drive_inline(task.pk)
+    task = Task.objects.get(pk=task.pk)
+    client.force_login(operator)
+    data = {"params.recipients": "a@example.org\nb@example.org", "params.subject": "Hello", "preview": "1"}
+    data.update({f"params.{k}": str(v) for k, v in task.params.items() if k not in ("recipients", "subject")})
+    body = client.post(edit_url(task.pk), data).content.decode()
     response = client.post(reverse("task_clone", kwargs={"task_id": task.pk}),
                            {"params": hidden(body, "params"), "limits": hidden(body, "limits")})
     new = Task.objects.exclude(pk=task.pk).get()

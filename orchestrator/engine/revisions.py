@@ -8,9 +8,13 @@ Impact of a parameter edit on each finished step:
   recorded by the step context) and depends on no invalidated step — kept as is;
 - invalidated: it read a changed key, or depends (transitively) on an invalidated step —
   reset, and run again with new idempotency keys (a new step generation);
-- blocking: invalidated, but it performed a non-idempotent side effect (an email) that
-  cannot be redone — the edit cannot be applied; start a new task with the new params.
 The remaining plan is regenerated from the new params (a new batch_size means new batches).
+
+No silent repeats: a step that runs again performs its side effects again under new
+idempotency keys. Idempotent ones (an upsert) replay harmlessly; every non-idempotent one
+(an email, a POST) is listed in the preview ("will be sent again") and the apply is
+refused (409) unless the operator confirms each by key (`repeat_effects`). Each confirmed
+repeat is audited.
 """
 from dataclasses import asdict, dataclass, field
 
@@ -18,6 +22,7 @@ from django.db import transaction
 
 from ..models import Snapshot, Step, StepStatus, Task, TaskStatus as S, WalEntry, WalStatus
 from ..tasktypes import get_type
+from ..tools.base import ToolError, get_tool
 from . import scheduler, states
 from .checkpoint import snapshot_now
 from .events import append_event
@@ -25,6 +30,18 @@ from .events import append_event
 
 class StalePreview(states.InvalidTransition):
     """The task changed since the preview was made (HTTP 409)."""
+
+
+class RepeatNotConfirmed(states.InvalidTransition):
+    """The operation would perform non-idempotent effects again and the operator has not
+    confirmed each of them (HTTP 409)."""
+
+    def __init__(self, task: Task, missing: list[dict]):
+        listed = "; ".join(f"{e['step']}: {e['tool']} {e['consequence']} ({e['idempotency_key']})" for e in missing[:10])
+        super().__init__(task, S.QUEUED, f"Not applied: this would perform {len(missing)} non-idempotent side "
+                         f"effect(s) again: {listed}. Confirm each one (repeat_effects: [keys]) to go ahead, or "
+                         f"start a new task instead.")
+        self.missing = missing
 
 
 @dataclass
@@ -36,10 +53,11 @@ class Preview:
     rerun: list[str] = field(default_factory=list)  # finished steps invalidated
     removed: list[str] = field(default_factory=list)  # finished steps the new plan drops
     pending: list[str] = field(default_factory=list)  # steps still to run (new plan)
-    repeated_effects: list[dict] = field(default_factory=list)  # side effects re-running repeats
-    effects_after: list[dict] = field(default_factory=list)  # rollback: effects after the version
-    blocking: list[dict] = field(default_factory=list)
-    can_apply: bool = True
+    # Side effects of the steps that run again, each with its `consequence` ("will be sent
+    # again to ..."); the non-idempotent ones must be confirmed by key (`must_confirm`).
+    repeated_effects: list[dict] = field(default_factory=list)
+    must_confirm: list[str] = field(default_factory=list)
+    effects_after: list[dict] = field(default_factory=list)  # rollback: effects after the version (not undone)
     rollback_to: int | None = None
 
     def as_dict(self) -> dict:
@@ -47,9 +65,42 @@ class Preview:
 
 
 def _effects(task: Task, step_ids) -> list[dict]:
-    return [{"step": w.step_id, "tool": w.tool, "idempotency_key": w.idempotency_key, "idempotent": w.idempotent,
-             "completed_at": w.completed_at.isoformat() if w.completed_at else None}
-            for w in WalEntry.objects.filter(task=task, step_id__in=list(step_ids), status=WalStatus.DONE).order_by("id")]
+    effects = []
+    for w in WalEntry.objects.filter(task=task, step_id__in=list(step_ids), status=WalStatus.DONE).order_by("id"):
+        try:
+            consequence = get_tool(w.tool).repeat_consequence(w.args, idempotent=w.idempotent)
+        except ToolError:  # a tool no longer installed: say so plainly
+            consequence = "will be performed again" if not w.idempotent else "replays (idempotent)"
+        effects.append({"step": w.step_id, "tool": w.tool, "idempotency_key": w.idempotency_key,
+                        "idempotent": w.idempotent, "consequence": consequence,
+                        "completed_at": w.completed_at.isoformat() if w.completed_at else None})
+    return effects
+
+
+def _set_repeats(preview: Preview, task: Task, running_again) -> None:
+    preview.repeated_effects = _effects(task, running_again)
+    preview.must_confirm = [e["idempotency_key"] for e in preview.repeated_effects if not e["idempotent"]]
+
+
+def _confirm_repeats(task: Task, preview: Preview, repeat_effects, *, actor, ip) -> None:
+    """Refuse unless every non-idempotent repeat is confirmed; audit each confirmed one."""
+    confirmed = set(repeat_effects or ())
+    unknown = confirmed - set(preview.must_confirm)
+    if unknown:
+        from .services import FieldError, InvalidInput
+
+        raise InvalidInput([FieldError("repeat_effects", f"not an effect this operation repeats: "
+                                                         f"{', '.join(sorted(unknown))}")])
+    missing = [e for e in preview.repeated_effects if not e["idempotent"] and e["idempotency_key"] not in confirmed]
+    if missing:
+        raise RepeatNotConfirmed(task, missing)
+    from .services import audit
+
+    for effect in preview.repeated_effects:
+        if not effect["idempotent"]:
+            audit(action="effect.repeat_confirmed", actor=actor, ip=ip, task=task,
+                  reason=f"{effect['tool']} {effect['consequence']}",
+                  after={"idempotency_key": effect["idempotency_key"], "step": effect["step"], "tool": effect["tool"]})
 
 
 def _require_paused(task: Task, what: str) -> None:
@@ -83,28 +134,19 @@ def preview_edit(task: Task, new_params: dict) -> tuple[Preview, list]:
             preview.rerun.append(step.step_id)
         else:
             preview.kept.append(step.step_id)
-    redo = set(preview.rerun) | set(preview.removed)
-    preview.repeated_effects = [e for e in _effects(task, redo) if e["step"] in set(preview.rerun)]
-    for effect in _effects(task, redo):
-        if not effect["idempotent"]:
-            preview.blocking.append({"step": effect["step"], "tool": effect["tool"], "idempotency_key":
-                                     effect["idempotency_key"], "why": f"{effect['step']} already performed "
-                                     f"{effect['tool']} (not idempotent) with the old parameters; running it again "
-                                     f"would repeat it. Start a new task with the new parameters instead."})
-    preview.can_apply = not preview.blocking
+    _set_repeats(preview, task, preview.rerun)
     kept = set(preview.kept)
     preview.pending = [spec.id for spec in new_specs if spec.id not in kept]
     return preview, new_specs
 
 
 def apply_edit(*, task_id: int, new_params: dict, expected_version: int | None, limits: dict | None = None,
-               actor=None, ip=None) -> Preview:
+               repeat_effects: list[str] | None = None, actor=None, ip=None) -> Preview:
     with transaction.atomic():
         task = states.lock_task(task_id)
         preview, new_specs = preview_edit(task, new_params)
         _check_fresh(task, expected_version)
-        if not preview.can_apply:
-            raise states.InvalidTransition(task, S.QUEUED, preview.blocking[0]["why"])
+        _confirm_repeats(task, preview, repeat_effects, actor=actor, ip=ip)
         before = {"params": task.params, "limits": task.limits, "checkpoint_version": task.checkpoint_version}
         task.params = new_params
         if limits:
@@ -180,15 +222,19 @@ def preview_rollback(task: Task, version: int) -> Preview:
     preview.effects_after = _effects(task, preview.rerun)
     task_type = get_type(task.type)
     specs = task_type.plan(task_type.Params.model_validate(state["params"]))
+    planned = {spec.id for spec in specs}
+    _set_repeats(preview, task, [sid for sid in preview.rerun if sid in planned])
     preview.pending = [spec.id for spec in specs if spec.id not in set(preview.kept)]
     return preview
 
 
-def apply_rollback(*, task_id: int, version: int, expected_version: int | None, actor=None, ip=None) -> Preview:
+def apply_rollback(*, task_id: int, version: int, expected_version: int | None,
+                   repeat_effects: list[str] | None = None, actor=None, ip=None) -> Preview:
     with transaction.atomic():
         task = states.lock_task(task_id)
         preview = preview_rollback(task, version)
         _check_fresh(task, expected_version)
+        _confirm_repeats(task, preview, repeat_effects, actor=actor, ip=ip)
         snapshot = Snapshot.objects.get(task=task, version=version)
         before = {"params": task.params, "checkpoint_version": task.checkpoint_version}
         task.params = snapshot.state["params"]

@@ -52,6 +52,10 @@ class Tool:
         the shape the step expects from perform()."""
         return {"confirmed_by_reviewer": True}
 
+    def repeat_consequence(self, args: dict, *, idempotent: bool) -> str:
+        """What performing this call again does, in an operator's words (revision previews)."""
+        return "replays harmlessly (idempotent)" if idempotent else "will be performed again"
+
     def evidence(self, args: dict, *, key: str) -> dict | None:
         """What the tool can tell a reviewer about whether `key` happened (None: nothing)."""
         return None

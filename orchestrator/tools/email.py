@@ -140,6 +140,10 @@ class EmailSend(Tool):
         recipients = [args["to"]] if isinstance(args.get("to"), str) else list(args.get("to") or [])
         return {"sent": 1, "message_id": message_id(key), "to": recipients, "confirmed_by_reviewer": True}
 
+    def repeat_consequence(self, args: dict, *, idempotent: bool) -> str:
+        to = args.get("to")
+        return f"will be sent again to {', '.join(to) if isinstance(to, list) else to}"
+
     def evidence(self, args: dict, *, key: str) -> dict:
         return {"message_id": message_id(key), "header": f"X-Idempotency-Key: {key}",
                 "to": args.get("to"), "subject": args.get("subject"),

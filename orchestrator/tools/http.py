@@ -138,6 +138,12 @@ class HttpRequest(Tool):
         if not str(args.get("url", "")).startswith(("http://", "https://")):
             raise ToolError(f"http.request needs an http(s) url; got {args.get('url')!r}")
 
+    def repeat_consequence(self, args: dict, *, idempotent: bool) -> str:
+        request = f"{args.get('method', 'GET').upper()} {args.get('url')}"
+        if idempotent:
+            return f"{request} replays harmlessly (idempotent)"
+        return f"{request} will be requested again"
+
     def perform(self, args: dict, *, key: str, token) -> dict:
         progress = RequestProgress()
         method = args.get("method", "GET").upper()

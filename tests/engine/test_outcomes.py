@@ -16,12 +16,6 @@ def test_types(settings):
     settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
 
 
-@pytest.fixture
-def smtp(misbehaving_smtp, settings):
-    settings.EMAIL_HOST, settings.EMAIL_PORT, settings.EMAIL_TIMEOUT = "127.0.0.1", misbehaving_smtp.port, 1.0
-    return misbehaving_smtp
-
-
 def effect_task(**params) -> Task:
     task = services.task_create(type="test.effects", params=params)
     drive_inline(task.pk)

@@ -6,7 +6,7 @@ import pytest
 
 from orchestrator.engine import revisions, services
 from orchestrator.engine.worker import drive_inline
-from orchestrator.models import DemoDestination, DemoSource, Snapshot, Step, Task, WalEntry
+from orchestrator.models import AuditEntry, DemoDestination, DemoSource, Snapshot, Step, Task, WalEntry
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -42,7 +42,7 @@ def test_the_seed_story_rate_fixed_after_five_batches():
     dry = preview(task.pk, rate=2.0)
     assert dry.param_diff == {"rate": [1.0, 2.0]}
     assert sorted(dry.rerun) == done_batches and dry.kept == ["prepare-source"]
-    assert {e["step"] for e in dry.repeated_effects} == set(done_batches) and dry.can_apply
+    assert {e["step"] for e in dry.repeated_effects} == set(done_batches) and dry.must_confirm == []
     assert Task.objects.get(pk=task.pk).params["rate"] == 1.0  # the dry run changed nothing
 
     apply(task.pk, rate=2.0)
@@ -74,19 +74,54 @@ def test_unaffected_invalidated_and_transitive_by_recorded_reads():
     assert Step.objects.get(task=task, step_id="a").attempts == 1  # kept, not redone
 
 
-def test_an_invalidated_step_that_sent_an_email_blocks_the_edit(mailoutbox):
-    # In-process, Django's test mail backend stands in for SMTP (real SMTP: test_recovery.py).
+def test_an_edit_that_re_runs_a_sent_email_is_refused_until_the_operator_confirms_the_repeat(smtp, operator):
     task = services.task_create(type="demo.notify", params={"recipients": ["a@example.org", "b@example.org"],
                                                             "subject": "Hi"}, limits={"max_steps": 1, "max_subtasks": 1})
     task = run(task.pk)
-    assert task.status == "paused"
+    assert task.status == "paused" and len(smtp.received) == 1
+    sent_key = WalEntry.objects.get(task=task, step_id="send-001").idempotency_key
     dry = preview(task.pk, subject="Hello")
-    assert not dry.can_apply
-    assert dry.blocking[0]["step"] == "send-001" and "new task" in dry.blocking[0]["why"]
-    with pytest.raises(revisions.states.InvalidTransition, match="not idempotent"):
+    assert dry.rerun == ["send-001"] and dry.must_confirm == [sent_key]
+    [effect] = dry.repeated_effects
+    assert effect["consequence"] == "will be sent again to a@example.org" and not effect["idempotent"]
+    with pytest.raises(revisions.RepeatNotConfirmed, match="would perform 1 non-idempotent side effect"):
         apply(task.pk, subject="Hello")
     assert Task.objects.get(pk=task.pk).params["subject"] == "Hi"  # nothing applied
-    assert len(mailoutbox) == 1
+    with pytest.raises(services.InvalidInput, match="not an effect this operation repeats"):
+        revisions.apply_edit(task_id=task.pk, new_params={**task.params, "subject": "Hello"},
+                             expected_version=task.event_seq, repeat_effects=["t1:nope:0"])
+
+    revisions.apply_edit(task_id=task.pk, new_params={**task.params, "subject": "Hello"},
+                         expected_version=Task.objects.get(pk=task.pk).event_seq, limits={"max_steps": 100},
+                         repeat_effects=[sent_key], actor=operator)
+    audit = AuditEntry.objects.get(task=task, action="effect.repeat_confirmed")
+    assert audit.actor == operator and audit.after["idempotency_key"] == sent_key
+    assert "will be sent again to a@example.org" in audit.reason
+    assert run(task.pk).status == "completed"
+    # a@ got the confirmed repeat with the new subject, b@ one email: nothing else repeated
+    assert sorted((m["To"], m["Subject"]) for m in smtp.received) == [
+        ("a@example.org", "Hello"), ("a@example.org", "Hi"), ("b@example.org", "Hello")]
+
+
+def test_a_rollback_over_sent_emails_needs_every_repeat_confirmed(smtp):
+    task = run(services.task_create(type="demo.notify", params={"recipients": ["a@example.org", "b@example.org",
+                                                                            "c@example.org"], "subject": "Hi"},
+                                    limits={"max_steps": 2, "max_subtasks": 1}).pk)
+    assert task.status == "paused" and len(smtp.received) == 2
+    dry = revisions.preview_rollback(task, 1)  # before any email
+    assert sorted(dry.rerun) == ["send-001", "send-002"] and len(dry.must_confirm) == 2
+    assert {e["consequence"] for e in dry.repeated_effects} == {"will be sent again to a@example.org",
+                                                                "will be sent again to b@example.org"}
+    with pytest.raises(revisions.RepeatNotConfirmed, match="send-002"):
+        revisions.apply_rollback(task_id=task.pk, version=1, expected_version=dry.version,
+                                 repeat_effects=dry.must_confirm[:1])
+    assert Task.objects.get(pk=task.pk).status == "paused"
+    revisions.apply_rollback(task_id=task.pk, version=1, expected_version=dry.version, repeat_effects=dry.must_confirm)
+    assert AuditEntry.objects.filter(task=task, action="effect.repeat_confirmed").count() == 2
+    Task.objects.filter(pk=task.pk).update(limits={**task.limits, "max_steps": 100})
+    assert run(task.pk).status == "completed"
+    assert sorted(m["To"] for m in smtp.received) == ["a@example.org", "a@example.org", "b@example.org",
+                                                      "b@example.org", "c@example.org"]
 
 
 def test_a_new_batch_size_replans_the_remaining_batches():

@@ -53,10 +53,15 @@ class Command(BaseCommand):
                 control.add_argument("--dry-run", action="store_true",
                                      help="print the impact of the edit (steps kept, re-run; effects repeated) "
                                           "and change nothing")
+                control.add_argument("--repeat-effect", action="append", default=[], metavar="KEY",
+                                     help="confirm that this non-idempotent effect (idempotency key) is performed "
+                                          "again; every one the preview lists must be confirmed")
         rollback = sub.add_parser("rollback", help="roll a paused task back to a snapshot version and resume")
         rollback.add_argument("id", type=int)
         rollback.add_argument("--version", type=int, required=True, help="a kept snapshot version (see `show`)")
         rollback.add_argument("--dry-run", action="store_true", help="print the preview and change nothing")
+        rollback.add_argument("--repeat-effect", action="append", default=[], metavar="KEY",
+                              help="confirm that this non-idempotent effect is performed again")
 
     def handle(self, *args, action, **opts):
         if action == "create":
@@ -78,9 +83,11 @@ class Command(BaseCommand):
             self.show(opts["id"], as_json=opts["json"])
         elif action == "resume" and (opts["param"] or opts["dry_run"]):
             self.edit(opts["id"], params=dict(map(parse_param, opts["param"])),
-                      limits=dict(map(parse_param, opts["limit"])), dry_run=opts["dry_run"])
+                      limits=dict(map(parse_param, opts["limit"])), dry_run=opts["dry_run"],
+                      repeat_effects=opts["repeat_effect"])
         elif action == "rollback":
-            self.rollback(opts["id"], version=opts["version"], dry_run=opts["dry_run"])
+            self.rollback(opts["id"], version=opts["version"], dry_run=opts["dry_run"],
+                          repeat_effects=opts["repeat_effect"])
         else:
             extra = {"limits": dict(map(parse_param, opts["limit"])) or None} if action == "resume" else {}
             try:
@@ -119,7 +126,7 @@ class Command(BaseCommand):
         except Task.DoesNotExist:
             raise CommandError(f"There is no task #{task_id}.") from None
 
-    def edit(self, task_id: int, *, params: dict, limits: dict, dry_run: bool) -> None:
+    def edit(self, task_id: int, *, params: dict, limits: dict, dry_run: bool, repeat_effects: list[str]) -> None:
         """Edit params and resume, at the task's current version (or only preview it)."""
         task = self._task(task_id)
         try:
@@ -131,16 +138,15 @@ class Command(BaseCommand):
             raise CommandError("\n".join(f"{e.field}: {e.message}" for e in exc.errors)) from None
         except InvalidTransition as exc:
             raise CommandError(str(exc)) from None
-        if dry_run or not preview.can_apply:
+        unconfirmed = set(preview.must_confirm) - set(repeat_effects)
+        if dry_run or unconfirmed:
             self.print_preview(task, preview, title="edit preview", limits=limits)
-        if not preview.can_apply:
-            raise CommandError("the edit cannot be applied: " + " ".join(b["why"] for b in preview.blocking))
         if dry_run:
             self.stdout.write("dry run: nothing changed")
             return
         try:
             preview = revisions.apply_edit(task_id=task.pk, new_params=new_params, expected_version=preview.version,
-                                           limits=limits or None)
+                                           limits=limits or None, repeat_effects=repeat_effects)
         except InvalidTransition as exc:  # StalePreview too: the task moved meanwhile
             raise CommandError(str(exc)) from None
         except services.InvalidInput as exc:
@@ -149,7 +155,7 @@ class Command(BaseCommand):
         self.stdout.write(f"task #{task.pk}: params edited ({', '.join(preview.param_diff) or 'no change'}); "
                           f"{len(preview.rerun)} step(s) to re-run; {task.status}")
 
-    def rollback(self, task_id: int, *, version: int, dry_run: bool) -> None:
+    def rollback(self, task_id: int, *, version: int, dry_run: bool, repeat_effects: list[str]) -> None:
         task = self._task(task_id)
         try:
             preview = revisions.preview_rollback(task, version)
@@ -157,9 +163,14 @@ class Command(BaseCommand):
                 self.print_preview(task, preview, title=f"rollback preview to v{version}")
                 self.stdout.write("dry run: nothing changed")
                 return
-            preview = revisions.apply_rollback(task_id=task.pk, version=version, expected_version=preview.version)
+            if set(preview.must_confirm) - set(repeat_effects):
+                self.print_preview(task, preview, title=f"rollback preview to v{version}")
+            preview = revisions.apply_rollback(task_id=task.pk, version=version, expected_version=preview.version,
+                                               repeat_effects=repeat_effects)
         except InvalidTransition as exc:
             raise CommandError(str(exc)) from None
+        except services.InvalidInput as exc:
+            raise CommandError("\n".join(f"{e.field}: {e.message}" for e in exc.errors)) from None
         task = self._task(task_id)
         self.stdout.write(f"task #{task.pk}: rolled back to v{version}; {len(preview.rerun)} step(s) to re-run; "
                           f"{len(preview.effects_after)} side effect(s) after v{version} not undone; {task.status}")
@@ -180,14 +191,11 @@ class Command(BaseCommand):
             shown = ", ".join(ids[:20]) + (f", ... (+{len(ids) - 20} more)" if len(ids) > 20 else "")
             write(f"{label} ({len(ids)}): {shown or '-'}")
         if preview.rollback_to is not None:
-            effects, heading = preview.effects_after, f"side effects after v{preview.rollback_to} (NOT undone)"
-        else:
-            effects, heading = preview.repeated_effects, "side effects re-running repeats"
-        write(f"{heading} ({len(effects)}):")
-        for effect in effects:
-            write(f"  {effect['step']:<16} {effect['tool']:<12} {effect['idempotency_key']}  "
-                  f"{'idempotent' if effect['idempotent'] else 'NOT idempotent'}")
-        for block in preview.blocking:
-            write(f"blocking: {block['why']}")
-        if preview.rollback_to is None:
-            write(f"can apply: {'yes' if preview.can_apply else 'no'}")
+            write(f"side effects after v{preview.rollback_to} (NOT undone) ({len(preview.effects_after)}):")
+            for effect in preview.effects_after:
+                write(f"  {effect['step']:<16} {effect['tool']:<12} {effect['idempotency_key']}")
+        write(f"side effects performed again ({len(preview.repeated_effects)}):")
+        for effect in preview.repeated_effects:
+            write(f"  {effect['step']:<16} {effect['tool']:<12} {effect['idempotency_key']}  {effect['consequence']}"
+                  f"{'' if effect['idempotent'] else '  NOT idempotent: confirm with --repeat-effect KEY'}")
+        write(f"must confirm: {', '.join(preview.must_confirm) or 'nothing'}")
