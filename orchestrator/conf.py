@@ -27,6 +27,14 @@ class HarnessSettings:
         return settings.ORCH_MAX_RECOVERY_ATTEMPTS
 
     @property
+    def requeue_after_seconds(self) -> float:
+        return settings.ORCH_REQUEUE_AFTER_SECONDS
+
+    @property
+    def recovery_timeout_seconds(self) -> float:
+        return settings.ORCH_RECOVERY_TIMEOUT_SECONDS
+
+    @property
     def slice_seconds(self) -> float:
         return settings.ORCH_SLICE_SECONDS
 

@@ -56,6 +56,13 @@ class Task(models.Model):
     # subprocesses, requests, streams) and since when. Empty when nothing is.
     activities = models.JSONField(default=list, blank=True)
 
+    # When the task was last handed to the broker; the sweeper re-enqueues a queued task
+    # nobody claimed for ORCH_REQUEUE_AFTER_SECONDS (a lost broker message strands nothing).
+    enqueued_at = models.DateTimeField(null=True, blank=True)
+    # Set when a recovery starts, cleared once a runner has the task going again: a
+    # recovery older than ORCH_RECOVERY_TIMEOUT_SECONDS hands the task to a human.
+    recovering_since = models.DateTimeField(null=True, blank=True)
+
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                                    related_name="tasks")
     created_at = models.DateTimeField(auto_now_add=True)
@@ -70,6 +77,10 @@ class Task(models.Model):
             models.Index(fields=["type", "-id"], name="task_type_id"),
             # The sweeper's query: running tasks by heartbeat age.
             models.Index(fields=["status", "heartbeat_at"], name="task_status_heartbeat"),
+            # The sweeper's other queries: unclaimed queued tasks, and recoveries in progress.
+            models.Index(fields=["status", "enqueued_at"], name="task_status_enqueued"),
+            models.Index(fields=["recovering_since"], name="task_recovering_since",
+                         condition=models.Q(recovering_since__isnull=False)),
         ]
 
     def __str__(self):
@@ -87,6 +98,9 @@ class StepStatus(models.TextChoices):
     RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
+    # Given up on (the type's on_step_failure = "skip", or an operator's Skip step): the
+    # task goes on without it; its dependants are skipped too.
+    SKIPPED = "skipped"
 
 
 class Step(models.Model):

@@ -174,6 +174,11 @@ ORCH_GRACE_SECONDS = float(os.environ.get("ORCH_GRACE_SECONDS", "5"))
 ORCH_SNAPSHOT_KEEP = int(os.environ.get("ORCH_SNAPSHOT_KEEP", "10"))
 ORCH_MAX_RECOVERY_ATTEMPTS = int(os.environ.get("ORCH_MAX_RECOVERY_ATTEMPTS", "3"))
 ORCH_SLICE_SECONDS = float(os.environ.get("ORCH_SLICE_SECONDS", "60"))
+# A queued task nobody claimed for this long is handed to the broker again (its message
+# may be lost: a Redis restart, a crash between commit and send).
+ORCH_REQUEUE_AFTER_SECONDS = float(os.environ.get("ORCH_REQUEUE_AFTER_SECONDS", "30"))
+# A recovery that has not got the task running again after this long hands it to a human.
+ORCH_RECOVERY_TIMEOUT_SECONDS = float(os.environ.get("ORCH_RECOVERY_TIMEOUT_SECONDS", "300"))
 # Limits every task gets unless its creator overrides them.
 ORCH_DEFAULT_MAX_STEPS = int(os.environ.get("ORCH_DEFAULT_MAX_STEPS", "100000"))
 ORCH_DEFAULT_MAX_TOKENS = int(os.environ.get("ORCH_DEFAULT_MAX_TOKENS", "10000000"))

@@ -74,18 +74,40 @@ def reviewer(make_user):
     return make_user("rita", "reviewer")
 
 
-class WorkerCluster:
-    """A real `manage.py qcluster` (django-q2) in its own process group."""
+class ManagedProcess:
+    """A real `manage.py <command>` in its own process group, its output in a log file."""
 
-    def __init__(self, env: dict, log_path: Path):
+    command: tuple[str, ...] = ()
+
+    def __init__(self, env: dict, log_path: Path, *command: str):
         self.log_path = log_path
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "qcluster"], cwd=ROOT, env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), *(command or self.command)], cwd=ROOT,
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def freeze(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
 
     def output(self) -> str:
         self.log.flush()
         return self.log_path.read_text()
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+        self.log.close()
+
+
+class WorkerCluster(ManagedProcess):
+    """A real `manage.py qcluster` (django-q2) in its own process group."""
+
+    command = ("qcluster",)
 
     def worker_pids(self) -> list[int]:
         """The cluster's worker processes (children of its sentinel)."""
@@ -97,13 +119,12 @@ class WorkerCluster:
             pids += [int(p) for p in kids.split()]
         return pids
 
-    def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=10)
-        self.log.close()
+
+def process_env(**overrides) -> dict:
+    """The environment of a process a test starts: the test database, fast heartbeats."""
+    return {**os.environ, "DATABASE_URL": database_url(), "ORCH_HEARTBEAT_SECONDS": "0.5",
+            "ORCH_STALE_AFTER_SECONDS": "2", "ORCH_VAR_DIR": str(settings.VAR_DIR), "PYTHONUNBUFFERED": "1",
+            **{k: str(v) for k, v in overrides.items()}}
 
 
 @pytest.fixture
@@ -112,17 +133,39 @@ def start_workers(transactional_db, tmp_path):
     clusters = []
 
     def start(count: int = 2, **env_overrides) -> WorkerCluster:
-        env = {**os.environ, "DATABASE_URL": database_url(), "ORCH_WORKERS": str(count),
-               "ORCH_HEARTBEAT_SECONDS": "0.5", "ORCH_STALE_AFTER_SECONDS": "2",
-               "ORCH_VAR_DIR": str(settings.VAR_DIR), "PYTHONUNBUFFERED": "1",
-               **{k: str(v) for k, v in env_overrides.items()}}
-        cluster = WorkerCluster(env, tmp_path / f"cluster-{len(clusters)}.log")
+        cluster = WorkerCluster(process_env(ORCH_WORKERS=count, **env_overrides), tmp_path / f"cluster-{len(clusters)}.log")
         clusters.append(cluster)
         return cluster
 
     yield start
     for cluster in clusters:
         cluster.stop()
+
+
+@pytest.fixture
+def start_sweeper(transactional_db, tmp_path):
+    """Start a real sweeper (`manage.py recover --loop`): start_sweeper(**env)."""
+    sweepers = []
+
+    def start(interval: float = 0.3, **env_overrides) -> ManagedProcess:
+        sweeper = ManagedProcess(process_env(**env_overrides), tmp_path / f"sweeper-{len(sweepers)}.log",
+                                 "recover", "--loop", "--interval", str(interval))
+        sweepers.append(sweeper)
+        return sweeper
+
+    yield start
+    for sweeper in sweepers:
+        sweeper.stop()
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A Redis server of the test's own, which it may kill and restart."""
+    from tests.support.services import RedisServer
+
+    server = RedisServer(free_port(), tmp_path / "redis.log").start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -6,6 +6,13 @@ comes back) and continues from the last checkpoint. Pending WAL entries are sett
 the step runs again: idempotent effects replay with the same key, non-idempotent ones in
 doubt send the task to review (engine/wal.py). Safe with several sweepers at once: the
 re-queue is a compare-and-set on the stale heartbeat.
+
+Each sweep also
+- re-sends queued tasks nobody claimed for ORCH_REQUEUE_AFTER_SECONDS: the broker's message
+  may be lost (a Redis restart, a crash between commit and send); a compare-and-set on
+  `enqueued_at` makes one sweeper send it, and a claim ignores duplicates;
+- bounds recoveries: a task whose recovery began more than ORCH_RECOVERY_TIMEOUT_SECONDS ago
+  and that no runner has got going again becomes `needs_human` (and its operators are told).
 """
 import logging
 import time
@@ -34,12 +41,63 @@ def stale_tasks(now=None):
 
 
 def sweep() -> list[int]:
-    """One pass: recover every stale task; returns the ids recovered by this sweeper."""
+    """One pass: recover every stale task (returns the ids recovered by this sweeper), give
+    up on recoveries that took too long, and re-send unclaimed queued tasks."""
     recovered = []
     for task_id in stale_tasks().values_list("pk", flat=True)[:500]:
         if recover_task(task_id):
             recovered.append(task_id)
+    give_up_slow_recoveries()
+    requeue_unclaimed()
     return recovered
+
+
+def requeue_unclaimed(now=None) -> list[int]:
+    """Re-send queued tasks that nobody claimed for ORCH_REQUEUE_AFTER_SECONDS."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=harness.requeue_after_seconds)
+    waiting = (Task.objects.filter(status=S.QUEUED, lease_owner="")
+               .filter(Q(enqueued_at__lt=cutoff) | Q(enqueued_at__isnull=True, updated_at__lt=cutoff))
+               .values_list("pk", "enqueued_at")[:500])
+    sent = []
+    for task_id, enqueued_at in waiting:
+        # Compare-and-set: of several sweepers, one re-sends it.
+        if Task.objects.filter(pk=task_id, status=S.QUEUED, lease_owner="", enqueued_at=enqueued_at).update(
+                enqueued_at=now):
+            scheduler.send(task_id)
+            sent.append(task_id)
+            log.info("queued task not claimed: re-sent to the broker",
+                     extra={"task_id": task_id, "resume_strategy": "requeue_unclaimed",
+                            "waited_seconds": round((now - enqueued_at).total_seconds(), 1) if enqueued_at else None})
+    return sent
+
+
+def give_up_slow_recoveries(now=None) -> list[int]:
+    """Recoveries that did not get their task running again within the timeout: needs_human."""
+    now = now or timezone.now()
+    timeout = harness.recovery_timeout_seconds
+    cutoff = now - timedelta(seconds=timeout)
+    handed = []
+    recovering = Task.objects.filter(recovering_since__lt=cutoff, status__in=(S.QUEUED, S.RUNNING))
+    for task_id in recovering.values_list("pk", flat=True)[:500]:
+        with transaction.atomic():
+            task = recovering.select_for_update(skip_locked=True).filter(pk=task_id).first()
+            if task is None:
+                continue
+            extra = {"task_id": task.pk, "checkpoint_version": task.checkpoint_version, "event_id": task.event_seq,
+                     "recovery_attempt": task.recovery_attempts, "resume_strategy": "needs_human"}
+            last = task.events.filter(kind="recovery").order_by("-seq").values_list("payload", flat=True).first()
+            cause = (last or {}).get("cause", "unknown cause")
+            waited = (now - task.recovering_since).total_seconds()
+            states.transition(
+                task, S.NEEDS_HUMAN, action="recovery", lease_owner="", lease_epoch=task.lease_epoch + 1,
+                recovering_since=None,
+                reason=f"recovery timed out: not running again {waited:.0f} s after it began "
+                       f"(ORCH_RECOVERY_TIMEOUT_SECONDS={timeout:g}; {task.recovery_attempts} attempt(s); "
+                       f"last cause: {cause})")
+            handed.append(task.pk)
+        log.warning("recovery timed out: needs a human", extra=extra)
+    return handed
 
 
 def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attempt: bool = True) -> bool:
@@ -77,7 +135,9 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attemp
         task.recovery_attempts, task.lease_owner = attempt, ""
         task.lease_epoch += 1
         task.heartbeat_at = timezone.now()
-        task.save(update_fields=["recovery_attempts", "lease_owner", "lease_epoch", "heartbeat_at", "updated_at"])
+        task.recovering_since = task.recovering_since or task.heartbeat_at
+        task.save(update_fields=["recovery_attempts", "lease_owner", "lease_epoch", "heartbeat_at",
+                                 "recovering_since", "updated_at"])
         append_event(task, "recovery", {"attempt": attempt, "dead_worker": dead_worker, "cause": cause,
                                         "checkpoint_version": task.checkpoint_version})
         in_doubt = settle_pending_wal(task, dead_worker=dead_worker, cause=cause, extra=extra)

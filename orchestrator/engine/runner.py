@@ -203,6 +203,9 @@ class Runner:
             return "lease lost"
         self.results = dict(Task.objects.get(pk=task.pk).steps.filter(status=StepStatus.DONE)
                             .values_list("step_id", "result"))
+        if task.recovering_since is not None:
+            # Its state loaded and its lease held: the recovery got the task going again.
+            self.lease.fenced().update(recovering_since=None)
         supervisor = Supervisor(self)
         supervisor.start()
         pool = ThreadPoolExecutor(max_workers=max(1, int(self.limits["max_subtasks"])),

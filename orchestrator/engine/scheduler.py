@@ -1,8 +1,16 @@
 """Hands tasks to the worker cluster (django-q2) — only after the transaction commits, so
-a worker never looks for a task that is not there yet."""
+a worker never looks for a task that is not there yet.
+
+The broker is a hint, not the truth: a message can be lost (a Redis restart; a crash
+between the commit and the send). `enqueued_at` records each hand-over, and the sweeper
+re-sends a queued task that nobody claimed for ORCH_REQUEUE_AFTER_SECONDS
+(recovery.requeue_unclaimed). Claims are compare-and-set, so a duplicate is harmless."""
 import logging
 
 from django.db import transaction
+from django.utils import timezone
+
+from ..models import Task
 
 log = logging.getLogger(__name__)
 
@@ -10,9 +18,11 @@ DRIVE = "orchestrator.engine.worker.drive_task"
 
 
 def enqueue(task_id: int) -> None:
-    def send():
-        from django_q.tasks import async_task
+    Task.objects.filter(pk=task_id).update(enqueued_at=timezone.now())
+    transaction.on_commit(lambda: send(task_id))
 
-        async_task(DRIVE, task_id, task_name=f"task-{task_id}", group="orchestrator")
 
-    transaction.on_commit(send)
+def send(task_id: int) -> None:
+    from django_q.tasks import async_task
+
+    async_task(DRIVE, task_id, task_name=f"task-{task_id}", group="orchestrator")

@@ -66,6 +66,8 @@ def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | N
         task.finished_at = now
         task.lease_owner = ""
         task.control = ""
+    if to not in (S.QUEUED, S.RUNNING):
+        task.recovering_since = None  # a recovery in progress ends when the task settles elsewhere
     for name, value in fields.items():
         setattr(task, name, value)
     task.save()
