@@ -297,6 +297,22 @@ def terminate_task(request, task_id: int, body: ControlIn | None = None):
     return _control(request, task_id, services.task_terminate, body)
 
 
+class SkipStepIn(Schema):
+    step_id: str = Field(..., min_length=1, max_length=200)
+    reason: str = Field(..., min_length=1, max_length=500, description="Why the task can go on without the step")
+
+
+@api.post("/tasks/{task_id}/skip-step", response=CONTROL_RESPONSES, tags=["control"])
+def skip_step(request, task_id: int, body: SkipStepIn):
+    """Skip one unfinished step of a task that needs a human (with the dependants that need
+    its result, unless they run after skipped steps) and continue the task. Audited."""
+    require(request, roles.OPERATOR)
+    get_task(task_id)
+    services.task_skip_step(task_id=task_id, step_id=body.step_id, reason=body.reason, actor=request.auth,
+                            ip=client_ip(request))
+    return task_out(get_task(task_id))
+
+
 class ResumeIn(ControlIn):
     params: dict[str, Any] | None = None
     limits: dict[str, Any] | None = None

@@ -122,6 +122,11 @@ class Step(models.Model):
     # Exception type + normalised message of the last failure: the same failure twice
     # means retrying will not help (the task then needs a human).
     failure_fingerprint = models.CharField(max_length=64, blank=True)
+    # The step's own failure policy once its retries are used up ("needs_human", "skip",
+    # "fail"; blank: the task type's `on_step_failure`), and whether it still runs when a
+    # dependency was skipped (a summary step does, and is told which were).
+    on_failure = models.CharField(max_length=20, blank=True)
+    runs_after_skipped = models.BooleanField(default=False)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 

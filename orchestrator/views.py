@@ -19,7 +19,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from . import roles, selectors
 from .engine import revisions, services, states
-from .models import Snapshot, Task, TaskStatus
+from .models import Snapshot, StepStatus, Task, TaskStatus
 from .tasktypes import all_types
 
 STEP_ROWS_SHOWN = 2000
@@ -374,6 +374,7 @@ def control_actions(task: Task) -> dict:
     return {
         "pause": status in (TaskStatus.RUNNING, TaskStatus.QUEUED) and task.control != "pause",
         "resume": status in (TaskStatus.PAUSED, TaskStatus.NEEDS_HUMAN),
+        "skip_step": status == TaskStatus.NEEDS_HUMAN,
         "stop": states.can_transition(status, TaskStatus.STOPPED) and status != TaskStatus.STOPPING,
         "terminate": states.can_transition(status, TaskStatus.TERMINATED),
     }
@@ -399,6 +400,9 @@ def task_detail(request, task_id: int):
         entry.args_json = _json(entry.args)
     audit = list(task.audit_entries.select_related("actor").all()[:500])
     actions = control_actions(task)
+    skippable = (list(task.steps.exclude(status__in=(StepStatus.DONE, StepStatus.SKIPPED))
+                      .order_by("status", "position").values_list("step_id", "status")[:500])
+                 if actions["skip_step"] else [])
     heartbeat_age = (now - task.heartbeat_at).total_seconds() if task.heartbeat_at else None
     try:
         type_title = _task_types()[task.type].title
@@ -419,6 +423,7 @@ def task_detail(request, task_id: int):
         "events": events,
         "audit": audit,
         "actions": actions,
+        "skippable_steps": skippable,
         "has_actions": any(actions.values()),
         "is_terminal": task.status in states.TERMINAL,
     })
@@ -462,6 +467,24 @@ def task_control(request, task_id: int):
         template = settled if final is None or task.status == final else requested
         messages.success(request, template.format(id=task.pk))
     return redirect(back)
+
+
+@require_POST
+@viewer_required
+def task_skip_step(request, task_id: int):
+    """Skip one unfinished step of a task that needs a human (reason required), and go on."""
+    require_operator(request)
+    task = get_task(task_id)
+    step_id, reason = request.POST.get("step_id", ""), request.POST.get("reason", "").strip()[:500]
+    try:
+        skipped = services.task_skip_step(task_id=task.pk, step_id=step_id, reason=reason, actor=request.user,
+                                          ip=client_ip(request))
+    except (services.InvalidInput, states.InvalidTransition) as exc:
+        messages.error(request, f"Not skipped: {exc}")
+    else:
+        also = f" (and {len(skipped) - 1} step(s) that depend on it)" if len(skipped) > 1 else ""
+        messages.success(request, f"Task #{task.pk}: step {step_id} skipped{also}; the task continues.")
+    return redirect("task_detail", task_id=task.pk)
 
 
 # --- snapshots: what changed between kept versions -----------------------------------------

@@ -22,6 +22,8 @@ from .lease import Lease, lock_fenced
 
 log = logging.getLogger(__name__)
 
+FINISHED = (StepStatus.DONE, StepStatus.SKIPPED)
+
 
 @dataclass
 class PlanState:
@@ -33,9 +35,27 @@ class PlanState:
     attempts: dict[str, int] = field(default_factory=dict)
     fingerprints: dict[str, str] = field(default_factory=dict)
     generations: dict[str, int] = field(default_factory=dict)
+    on_failure: dict[str, str] = field(default_factory=dict)  # steps with a policy of their own
+    runs_after_skipped: set[str] = field(default_factory=set)
 
     def done_count(self) -> int:
         return sum(1 for s in self.status.values() if s == StepStatus.DONE)
+
+    def finished(self, step_id: str) -> bool:
+        """Done, or skipped: either way, nothing more to run for it."""
+        return self.status[step_id] in FINISHED
+
+    def skip_cascade(self, step_id: str) -> list[str]:
+        """`step_id` and every unfinished step that (transitively) depends on it and does
+        not run after skipped steps — in plan order (dependencies first)."""
+        skipped, cascade = {step_id}, [step_id]
+        for sid in self.order:
+            if sid in skipped or self.finished(sid) or sid in self.runs_after_skipped:
+                continue
+            if any(dep in skipped for dep in self.depends_on[sid]):
+                skipped.add(sid)
+                cascade.append(sid)
+        return cascade
 
     def snapshot_state(self, task: Task) -> dict:
         state = {"params": task.params, "limits": task.limits, "status": task.status,
@@ -146,14 +166,13 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
                 if missing:
                     raise ValueError(f"step {spec.id!r} depends on {missing}, which come later or do not exist")
                 known.add(spec.id)
-            Step.objects.bulk_create([
-                Step(task=task, step_id=s.id, position=i, title=s.title or s.id, depends_on=list(s.depends_on),
-                     declared_reads=list(s.reads)) for i, s in enumerate(specs)])
+            Step.objects.bulk_create([step_row(task, spec, i) for i, spec in enumerate(specs)])
             task.steps_total = len(specs)
             task.checkpoint_version += 1
             task.event_seq += 1
             task.save(update_fields=["steps_total", "checkpoint_version", "event_seq", "updated_at"])
-            steps = [(s.id, list(s.depends_on), StepStatus.PENDING, 0, "", 0) for s in specs]
+            steps = [(s.id, list(s.depends_on), StepStatus.PENDING, 0, "", 0, s.on_failure, s.runs_after_skipped)
+                     for s in specs]
             plan = _plan_from(steps)
             save_snapshot(task, plan.snapshot_state(task), "")
             create_event(task, task.event_seq, "planned", {"steps": [s.id for s in specs][:200],
@@ -162,9 +181,17 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
     return _plan_from(steps)
 
 
+def step_row(task: Task, spec, position: int) -> Step:
+    """A new Step row from the type's StepSpec."""
+    return Step(task=task, step_id=spec.id, position=position, title=spec.title or spec.id,
+                depends_on=list(spec.depends_on), declared_reads=list(spec.reads), on_failure=spec.on_failure,
+                runs_after_skipped=spec.runs_after_skipped)
+
+
 def plan_rows(task: Task) -> list[tuple]:
     return list(Step.objects.filter(task=task).order_by("position")
-                .values_list("step_id", "depends_on", "status", "attempts", "failure_fingerprint", "generation"))
+                .values_list("step_id", "depends_on", "status", "attempts", "failure_fingerprint", "generation",
+                             "on_failure", "runs_after_skipped"))
 
 
 def snapshot_now(task: Task, step_id: str = "") -> Snapshot:
@@ -174,7 +201,7 @@ def snapshot_now(task: Task, step_id: str = "") -> Snapshot:
 
 def _plan_from(rows) -> PlanState:
     plan = PlanState(order=[], depends_on={}, status={}, attempts={})
-    for step_id, depends_on, status, attempts, fingerprint, generation in rows:
+    for step_id, depends_on, status, attempts, fingerprint, generation, on_failure, after_skipped in rows:
         plan.order.append(step_id)
         plan.depends_on[step_id] = tuple(depends_on)
         # A step that was running when its worker died, or failed before a resume, runs again.
@@ -184,4 +211,31 @@ def _plan_from(rows) -> PlanState:
             plan.fingerprints[step_id] = fingerprint
         if generation:
             plan.generations[step_id] = generation
+        if on_failure:
+            plan.on_failure[step_id] = on_failure
+        if after_skipped:
+            plan.runs_after_skipped.add(step_id)
     return plan
+
+
+def skip_steps(task: Task, plan: PlanState, step_id: str, error: str, *, by: str) -> list[str]:
+    """Skip `step_id` (with its error) and the dependants it takes with it, as one checkpoint
+    of the locked `task`; returns the skipped ids. The caller updates `plan.status` once its
+    transaction has committed."""
+    cascade = plan.skip_cascade(step_id)
+    now = timezone.now()
+    Step.objects.filter(task=task, step_id=step_id).update(status=StepStatus.SKIPPED, error=error[:10_000],
+                                                           finished_at=now)
+    if len(cascade) > 1:
+        Step.objects.filter(task=task, step_id__in=cascade[1:]).update(
+            status=StepStatus.SKIPPED, error=f"skipped: depends on {step_id}, which was skipped", finished_at=now)
+    statuses = {**plan.status, **{sid: StepStatus.SKIPPED for sid in cascade}}
+    shadow = PlanState(order=plan.order, depends_on=plan.depends_on, status=statuses,
+                       generations=plan.generations)
+    task.checkpoint_version += 1
+    task.event_seq += 1
+    task.save(update_fields=["checkpoint_version", "event_seq", "updated_at"])
+    save_snapshot(task, shadow.snapshot_state(task), step_id)
+    create_event(task, task.event_seq, "step_skipped", {"step": step_id, "by": by, "error": error[:500],
+                                                         "dependants": cascade[1:200], "version": task.checkpoint_version})
+    return cascade

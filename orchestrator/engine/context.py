@@ -55,9 +55,13 @@ class TrackedParams:
 
 class StepContext:
     def __init__(self, *, task_id: int, step_id: str, params: BaseModel, deps: dict[str, Any],
-                 lease: Lease, token: CancellationToken, runner=None, generation: int = 0):
+                 lease: Lease, token: CancellationToken, runner=None, generation: int = 0,
+                 skipped: dict[str, str] | None = None):
         self.task_id = task_id
         self.step_id = step_id
+        # Dependencies that were skipped (a step that runs after skipped steps), with why;
+        # their entries in `deps` are None.
+        self.skipped = skipped or {}
         self.generation = generation
         self.params = TrackedParams(params)
         self.deps = deps

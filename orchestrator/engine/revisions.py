@@ -24,7 +24,7 @@ from ..models import Snapshot, Step, StepStatus, Task, TaskStatus as S, WalEntry
 from ..tasktypes import get_type
 from ..tools.base import ToolError, get_tool
 from . import scheduler, states
-from .checkpoint import snapshot_now
+from .checkpoint import snapshot_now, step_row
 from .events import append_event
 
 
@@ -180,11 +180,11 @@ def _rewrite_plan(task: Task, specs, *, keep: set[str]) -> None:
     for position, spec in enumerate(specs):
         step = existing.get(spec.id)
         if step is None:
-            Step.objects.create(task=task, step_id=spec.id, position=position, title=spec.title or spec.id,
-                                depends_on=list(spec.depends_on), declared_reads=list(spec.reads))
+            step_row(task, spec, position).save()
             continue
         step.position, step.title = position, spec.title or spec.id
         step.depends_on, step.declared_reads = list(spec.depends_on), list(spec.reads)
+        step.on_failure, step.runs_after_skipped = spec.on_failure, spec.runs_after_skipped
         if spec.id not in keep and (step.status != StepStatus.PENDING or step.attempts):
             step.status, step.result, step.error, step.reads = StepStatus.PENDING, None, "", []
             step.attempts, step.failure_fingerprint = 0, ""

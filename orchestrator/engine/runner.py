@@ -203,6 +203,8 @@ class Runner:
             return "lease lost"
         self.results = dict(Task.objects.get(pk=task.pk).steps.filter(status=StepStatus.DONE)
                             .values_list("step_id", "result"))
+        self.skipped = dict(Task.objects.get(pk=task.pk).steps.filter(status=StepStatus.SKIPPED)
+                            .values_list("step_id", "error"))
         if task.recovering_since is not None:
             # Its state loaded and its lease held: the recovery got the task going again.
             self.lease.fenced().update(recovering_since=None)
@@ -270,7 +272,7 @@ class Runner:
         return getattr(self, "_tokens_this_run", 0)
 
     def all_done(self) -> bool:
-        return all(s == StepStatus.DONE for s in self.plan.status.values())
+        return all(self.plan.finished(s) for s in self.plan.order)
 
     def waiting_for_retry(self) -> bool:
         return any(self.plan.status[s] == StepStatus.PENDING for s in self.not_before)
@@ -278,16 +280,20 @@ class Runner:
     def ready_steps(self, in_flight: dict) -> list[str]:
         running = {f.step_id for f in in_flight.values()}
         now = time.monotonic()
+        # A skipped dependency counts as finished here: dependants that do not run after
+        # skipped steps were skipped with it (PlanState.skip_cascade).
         return [sid for sid in self.plan.order
                 if self.plan.status[sid] == StepStatus.PENDING and sid not in running
                 and self.not_before.get(sid, 0) <= now
-                and all(self.plan.status[d] == StepStatus.DONE for d in self.plan.depends_on[sid])]
+                and all(self.plan.finished(d) for d in self.plan.depends_on[sid])]
 
     def submit_ready(self, pool: ThreadPoolExecutor, in_flight: dict) -> None:
         capacity = max(1, int(self.limits["max_subtasks"])) - len(in_flight)
         for step_id in self.ready_steps(in_flight)[:max(0, capacity)]:
+            deps = self.plan.depends_on[step_id]
             ctx = StepContext(task_id=self.lease.task_id, step_id=step_id, params=self.params,
-                              deps={d: self.results.get(d) for d in self.plan.depends_on[step_id]},
+                              deps={d: self.results.get(d) for d in deps},
+                              skipped={d: self.skipped[d] for d in deps if d in self.skipped},
                               lease=self.lease, token=self.token.child(step_id), runner=self,
                               generation=self.plan.generations.get(step_id, 0))
             in_flight[pool.submit(self.execute, ctx)] = InFlight(step_id, ctx, timezone.now())
@@ -331,18 +337,19 @@ class Runner:
             cause = exc.error if isinstance(exc, EffectFailed) else exc
             fingerprint = failure_fingerprint(cause)
             repeated = self.plan.fingerprints.get(step_id) == fingerprint
-            retrying = attempts < harness.step_max_attempts and not self.token.cancelled and not repeated
+            # While a request winds the task down a failure is left for the next run to retry:
+            # no policy applies to a step that was being interrupted.
+            retrying = self.token.cancelled or (attempts < harness.step_max_attempts and not repeated)
             error = f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_tb(exc.__traceback__)[-3:])}"
             log.warning("step failed (attempt %s)%s", attempts, ", retrying" if retrying else "", extra=extra)
             self.record_failure(flight, error, retrying=retrying, fingerprint=fingerprint)
             if retrying:
                 delay = min(RETRY_BACKOFF_BASE_SECONDS * 2 ** (attempts - 1), RETRY_BACKOFF_MAX_SECONDS)
                 self.not_before[step_id] = time.monotonic() + delay
-            elif repeated:
-                self.needs_human = (f"step {step_id} failed twice the same way ({type(cause).__name__}: "
-                                    f"{str(cause)[:200]}); retrying will not help")
-            else:
-                self.failure = f"step {step_id} failed after {attempts} attempts: {type(exc).__name__}: {exc}"
+            elif not self.lease_lost:
+                self.give_up(step_id, f"step {step_id} failed " + (
+                    f"twice the same way ({type(cause).__name__}: {str(cause)[:200]}); retrying will not help"
+                    if repeated else f"after {attempts} attempts: {type(cause).__name__}: {str(cause)[:300]}"))
             return
         self._tokens_this_run = self.tokens_this_run() + ctx.tokens_used
         try:
@@ -357,6 +364,27 @@ class Runner:
         self.results[step_id] = result
         self.not_before.pop(step_id, None)
         log.debug("step committed", extra={**extra, "checkpoint_version": version})
+
+    def give_up(self, step_id: str, why: str) -> None:
+        """A step failed for good: apply its failure policy (FAILURE_POLICIES)."""
+        policy = self.plan.on_failure.get(step_id) or self.task_type.on_step_failure
+        if policy == "skip":
+            try:
+                with transaction.atomic():
+                    task = leases.lock_fenced(self.lease)
+                    skipped = checkpoint.skip_steps(task, self.plan, step_id, why, by="policy")
+            except LeaseLost:
+                self.lose_lease()
+                return
+            for sid in skipped:
+                self.plan.status[sid] = StepStatus.SKIPPED
+                self.skipped[sid] = why if sid == step_id else f"skipped: depends on {step_id}, which was skipped"
+            log.warning("step skipped by its failure policy; the task goes on",
+                        extra={"task_id": self.lease.task_id, "step_id": step_id, "skipped": skipped})
+        elif policy == "fail":
+            self.failure = why
+        else:
+            self.needs_human = f"{why}. Fix the cause and resume, or skip the step."
 
     def record_failure(self, flight: InFlight, error: str, *, retrying: bool, fingerprint: str = "") -> None:
         try:

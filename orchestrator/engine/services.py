@@ -159,3 +159,38 @@ def _limit_raised(task: Task) -> bool:
         return True
     used = {"max_steps": task.steps_done, "max_tokens": task.tokens_used, "max_seconds": task.active_seconds}
     return limit not in used or used[limit] < value
+
+
+def task_skip_step(*, task_id: int, step_id: str, reason: str, actor=None, ip=None) -> list[str]:
+    """An operator gives up on one step of a task that needs a human: the step (and the
+    dependants it takes with it) is skipped with the operator's reason, and the task goes
+    on. Returns the skipped step ids."""
+    from ..models import Step, StepStatus
+    from .checkpoint import _plan_from, plan_rows, skip_steps
+
+    if not (reason or "").strip():
+        raise InvalidInput([FieldError("reason", "a reason is required: say why the task can go on without it")])
+    with transaction.atomic():
+        task = states.lock_task(task_id)
+        if task.status != S.NEEDS_HUMAN:
+            raise states.InvalidTransition(task, S.QUEUED, f"Task #{task.pk} is {task.status}; a step can be skipped "
+                                                           f"only while the task needs a human.")
+        step = Step.objects.filter(task=task, step_id=step_id).first()
+        if step is None:
+            raise InvalidInput([FieldError("step_id", f"task #{task.pk} has no step {step_id!r}")])
+        if step.status in (StepStatus.DONE, StepStatus.SKIPPED):
+            raise InvalidInput([FieldError("step_id", f"step {step_id} is {step.status} already")])
+        plan = _plan_from(plan_rows(task))
+        plan.status[step_id] = step.status  # the plan view treats a failed step as pending; skip it as it is
+        why = f"skipped by {getattr(actor, 'username', '') or 'an operator'}: {reason.strip()[:300]}"
+        if step.error:
+            why += f" (last error: {step.error.splitlines()[0][:300]})"
+        skipped = skip_steps(task, plan, step_id, why, by="operator")
+        audit(action="task.skip_step", actor=actor, ip=ip, task=task, reason=reason.strip(),
+              before={"status": task.status, "step": step_id, "step_status": step.status},
+              after={"skipped": skipped})
+        states.transition(task, S.QUEUED, reason=f"step {step_id} skipped by an operator; continuing", actor=actor,
+                          ip=ip, action="task.resume", control="", lease_owner="", recovery_attempts=0)
+        scheduler.enqueue(task.pk)
+    log.info("step skipped by an operator", extra={"task_id": task_id, "step_id": step_id})
+    return skipped

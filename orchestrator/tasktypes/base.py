@@ -15,6 +15,22 @@ class StepSpec:
     title: str = ""
     depends_on: tuple[str, ...] = ()
     reads: tuple[str, ...] = field(default=())  # the param keys the step is declared to read
+    # After its retries: "needs_human" | "skip" | "fail"; "" means the type's on_step_failure.
+    on_failure: str = ""
+    # Run even when a dependency was skipped (ctx.skipped says which, with their errors);
+    # otherwise a skipped dependency skips this step too.
+    runs_after_skipped: bool = False
+
+    def __post_init__(self):
+        if self.on_failure not in ("", *FAILURE_POLICIES):
+            raise ValueError(f"step {self.id!r}: on_failure must be one of {', '.join(FAILURE_POLICIES)}")
+
+
+# What happens when a step has failed for good (its retries used up, or the same failure twice):
+# - needs_human: the task waits for an operator (fix the cause and Resume, or Skip step);
+# - skip: the step is skipped (and its dependants, unless they run after skipped steps), the task goes on;
+# - fail: the task ends `failed`.
+FAILURE_POLICIES = ("needs_human", "skip", "fail")
 
 
 class TaskType:
@@ -25,6 +41,7 @@ class TaskType:
     title: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Params: ClassVar[type[BaseModel]]
+    on_step_failure: ClassVar[str] = "needs_human"  # one of FAILURE_POLICIES; a StepSpec may override it
 
     def plan(self, params: BaseModel) -> list[StepSpec]:
         raise NotImplementedError

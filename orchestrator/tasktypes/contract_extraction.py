@@ -263,6 +263,27 @@ def extract(text: str) -> dict:
     }
 
 
+class MalformedContract(ValueError):
+    """A contract the extractor cannot read: not UTF-8 text, or no parties in it."""
+
+
+def read_contract(path: Path) -> dict:
+    """Extract one contract file; raise MalformedContract when it is not a readable contract."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedContract(f"{path.name} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    found = extract(text)
+    if not found["parties"]:
+        raise MalformedContract(f"{path.name}: no parties found (expected a 'between X and Y' clause or a "
+                                f"numbered list of parties)")
+    return found
+
+
 def list_samples() -> list[Path]:
-    """The shipped sample contracts, sorted by file name."""
-    return sorted(SAMPLES_DIR.glob("contract_*.txt"))
+    """The contracts to process, sorted by file name: the shipped samples, or those in
+    ORCH_CONTRACTS_DIR when it is set."""
+    from django.conf import settings
+
+    directory = Path(getattr(settings, "ORCH_CONTRACTS_DIR", "") or SAMPLES_DIR)
+    return sorted(directory.glob("contract_*.txt"))

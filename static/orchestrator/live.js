@@ -25,12 +25,13 @@
   var CAN_STOP = { queued: 1, running: 1, pausing: 1, paused: 1, awaiting_review: 1, needs_human: 1 };
   var CAN_TERMINATE = { queued: 1, running: 1, pausing: 1, paused: 1, stopping: 1, awaiting_review: 1,
                         needs_human: 1 };
-  var ACTIONS = ["stop", "pause", "resume", "terminate"];
+  var ACTIONS = ["stop", "pause", "resume", "skip-step", "terminate"];
 
   function controlActions(status, control) {
     return {
       pause: (status === "running" || status === "queued") && control !== "pause",
-      resume: status === "paused",
+      resume: status === "paused" || status === "needs_human",
+      "skip-step": status === "needs_human",
       stop: !!CAN_STOP[status],
       terminate: !!CAN_TERMINATE[status]
     };

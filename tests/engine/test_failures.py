@@ -8,7 +8,7 @@ from django.db.models import F
 from orchestrator.engine import recovery, services
 from orchestrator.engine.lease import claim
 from orchestrator.engine.worker import drive_inline
-from orchestrator.models import Step, Task
+from orchestrator.models import AuditEntry, Step, Task, TaskEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -43,11 +43,50 @@ def test_the_same_failure_twice_needs_a_human_and_the_operators_are_emailed(make
     assert f"/api/tasks/{task.pk}/export" in mailoutbox[0].body
 
 
-def test_different_failures_use_up_the_attempts_and_fail(tmp_path):
+def test_different_failures_use_up_the_attempts_then_need_a_human_by_default(tmp_path):
     task = run({"mode": "changing", "marker": str(tmp_path / "count")})
-    assert task.status == "failed"
+    assert task.status == "needs_human"  # resumable once the cause is fixed
     assert "failed after 3 attempts" in task.status_reason and "RuntimeError" in task.status_reason
+    assert "Fix the cause and resume, or skip the step" in task.status_reason
     assert Step.objects.get(task=task).attempts == 3
+
+
+def test_a_step_whose_policy_is_fail_fails_the_task(tmp_path):
+    task = run({"mode": "changing", "marker": str(tmp_path / "count"), "on_failure": "fail"})
+    assert task.status == "failed" and "failed after 3 attempts" in task.status_reason
+
+
+def test_a_step_whose_policy_is_skip_is_skipped_with_its_dependants_and_the_summary_sees_it():
+    task = run({"mode": "same", "on_failure": "skip", "with_dependants": True})
+    assert task.status == "completed", task.status_reason
+    steps = {s.step_id: s for s in Step.objects.filter(task=task)}
+    assert steps["work"].status == "skipped" and "failed twice the same way" in steps["work"].error
+    assert steps["after"].status == "skipped" and steps["after"].error == "skipped: depends on work, which was skipped"
+    assert steps["summary"].status == "done"
+    assert set(steps["summary"].result["skipped"]) == {"work", "after"}
+    assert steps["summary"].result["deps"] == {"work": None, "after": None}
+    event = TaskEvent.objects.get(task=task, kind="step_skipped")
+    assert event.payload["step"] == "work" and event.payload["dependants"] == ["after"] and event.payload["by"] == "policy"
+
+
+def test_an_operator_skips_the_failed_step_of_a_task_that_needs_a_human(operator):
+    task = run({"mode": "same", "with_dependants": True})
+    assert task.status == "needs_human"
+    with pytest.raises(services.InvalidInput, match="a reason is required"):
+        services.task_skip_step(task_id=task.pk, step_id="work", reason=" ", actor=operator)
+    with pytest.raises(services.InvalidInput, match="no step 'nope'"):
+        services.task_skip_step(task_id=task.pk, step_id="nope", reason="r", actor=operator)
+    skipped = services.task_skip_step(task_id=task.pk, step_id="work", reason="the upstream row is garbage",
+                                      actor=operator)
+    assert skipped == ["work", "after"]
+    audit = AuditEntry.objects.get(task=task, action="task.skip_step")
+    assert audit.actor == operator and audit.reason == "the upstream row is garbage"
+    assert drive_inline(task.pk) == "completed"
+    work = Step.objects.get(task=task, step_id="work")
+    assert work.status == "skipped" and "skipped by otto: the upstream row is garbage" in work.error
+    assert "ValueError" in work.error  # the last error stays visible
+    with pytest.raises(services.states.InvalidTransition, match="only while the task needs a human"):
+        services.task_skip_step(task_id=task.pk, step_id="summary", reason="r", actor=operator)
 
 
 def test_a_needs_human_task_can_be_resumed_by_an_operator():
@@ -66,3 +105,29 @@ def test_recovery_checks_external_resources_before_continuing(tmp_path, settings
     assert recovery.sweep() == [task.pk]
     task = Task.objects.get(pk=task.pk)
     assert task.status == "needs_human" and "input file" in task.status_reason
+
+
+def test_skip_step_from_the_page_the_api_and_the_cli(client, operator):
+    from django.core.management import call_command
+    from django.urls import reverse
+
+    from orchestrator.auth import token_issue
+
+    pages = run({"mode": "same"})
+    client.force_login(operator)
+    page = client.get(reverse("task_detail", kwargs={"task_id": pages.pk})).content.decode()
+    assert 'data-testid="skip-step-form"' in page and '<option value="work">work (failed)</option>' in page
+    response = client.post(reverse("task_skip_step", kwargs={"task_id": pages.pk}), {"step_id": "work", "reason": ""})
+    assert response.status_code == 302 and Task.objects.get(pk=pages.pk).status == "needs_human"  # reason required
+    client.post(reverse("task_skip_step", kwargs={"task_id": pages.pk}), {"step_id": "work", "reason": "bad row"})
+    assert Task.objects.get(pk=pages.pk).status == "queued"
+
+    api = run({"mode": "same"})
+    client.logout()
+    answer = client.post(f"/api/tasks/{api.pk}/skip-step", {"step_id": "work", "reason": "bad row"},
+                         content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {token_issue(user=operator)}")
+    assert answer.status_code == 200 and answer.json()["status"] == "queued"
+
+    cli = run({"mode": "same"})
+    call_command("tasks", "skip-step", str(cli.pk), "--step", "work", "--reason", "bad row")
+    assert Task.objects.get(pk=cli.pk).status == "queued"

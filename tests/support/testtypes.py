@@ -150,6 +150,8 @@ class FlakyParams(BaseModel):
     mode: str = Field(..., pattern="^(same|changing|transient)$")
     marker: str = ""  # a file path: `transient` fails until it exists (and creates it)
     resource: str = ""  # a path validate_resources requires to exist
+    on_failure: str = ""  # the step's own failure policy
+    with_dependants: bool = False  # work -> after (skipped with it) and work -> summary (runs after skipped)
 
 
 @register
@@ -160,11 +162,19 @@ class Flaky(TaskType):
     Params = FlakyParams
 
     def plan(self, params):
-        return [StepSpec("work")]
+        steps = [StepSpec("work", on_failure=params.on_failure)]
+        if params.with_dependants:
+            steps += [StepSpec("after", depends_on=("work",)),
+                      StepSpec("summary", depends_on=("work", "after"), runs_after_skipped=True)]
+        return steps
 
     def run_step(self, ctx, step_id):
         import os
 
+        if step_id == "after":
+            return "after"
+        if step_id == "summary":
+            return {"skipped": ctx.skipped, "deps": ctx.deps}
         mode = ctx.params.mode
         if mode == "same":
             raise ValueError(f"row {time.monotonic_ns()} is malformed at offset 0x{id(self):x}")

@@ -56,6 +56,10 @@ class Command(BaseCommand):
                 control.add_argument("--repeat-effect", action="append", default=[], metavar="KEY",
                                      help="confirm that this non-idempotent effect (idempotency key) is performed "
                                           "again; every one the preview lists must be confirmed")
+        skip = sub.add_parser("skip-step", help="skip a step of a task that needs a human, and continue it")
+        skip.add_argument("id", type=int)
+        skip.add_argument("--step", required=True, help="the step id (see `show`)")
+        skip.add_argument("--reason", required=True, help="why the task can go on without it")
         rollback = sub.add_parser("rollback", help="roll a paused task back to a snapshot version and resume")
         rollback.add_argument("id", type=int)
         rollback.add_argument("--version", type=int, required=True, help="a kept snapshot version (see `show`)")
@@ -85,6 +89,14 @@ class Command(BaseCommand):
             self.edit(opts["id"], params=dict(map(parse_param, opts["param"])),
                       limits=dict(map(parse_param, opts["limit"])), dry_run=opts["dry_run"],
                       repeat_effects=opts["repeat_effect"])
+        elif action == "skip-step":
+            try:
+                skipped = services.task_skip_step(task_id=opts["id"], step_id=opts["step"], reason=opts["reason"])
+            except services.InvalidInput as exc:
+                raise CommandError("\n".join(f"{e.field}: {e.message}" for e in exc.errors)) from None
+            except (InvalidTransition, Task.DoesNotExist) as exc:
+                raise CommandError(str(exc) or f"There is no task #{opts['id']}.") from None
+            self.stdout.write(f"task #{opts['id']}: skipped {', '.join(skipped)}; queued")
         elif action == "rollback":
             self.rollback(opts["id"], version=opts["version"], dry_run=opts["dry_run"],
                           repeat_effects=opts["repeat_effect"])
