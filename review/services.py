@@ -35,7 +35,7 @@ def review_open(*, entry: WalEntry, reason: str, dead_worker: str = "") -> Revie
         evidence = {"error": f"could not gather evidence: {exc}"}
     item = ReviewItem.objects.create(task_id=entry.task_id, wal_entry=entry, reason=reason, dead_worker=dead_worker,
                                      evidence=evidence)
-    log.warning("review opened", extra={"task_id": entry.task_id, "event_id": entry.pk,
+    log.warning("review opened", extra={"task_id": entry.task_id, "wal_entry_id": entry.pk,
                                         "resume_strategy": "awaiting_review"})
     return item
 
@@ -85,7 +85,7 @@ def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=
             states.transition(task, S.QUEUED, reason="every review decided; continuing", actor=actor, ip=ip,
                               action="review.resume", lease_owner="")
             scheduler.enqueue(task.pk)
-    log.info("review decided: %s", decision, extra={"task_id": task.pk, "event_id": entry.pk,
+    log.info("review decided: %s", decision, extra={"task_id": task.pk, "wal_entry_id": entry.pk,
                                                     "resume_strategy": f"review:{decision}"})
     return item
 

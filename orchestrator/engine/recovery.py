@@ -111,7 +111,7 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict)
     opened = []
     for entry in WalEntry.objects.filter(task=task, status=WalStatus.PENDING).order_by("id"):
         record = IdempotencyRecord.objects.filter(key=entry.idempotency_key).first()
-        log_extra = {**extra, "event_id": entry.pk}
+        log_extra = {**extra, "wal_entry_id": entry.pk}
         if record is not None:
             WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.DONE, result=record.result,
                                                         completed_at=timezone.now())

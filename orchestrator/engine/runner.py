@@ -318,7 +318,7 @@ class Runner:
                 self.record_failure(flight, str(exc), retrying=True)
             return
         except AmbiguousEffect as exc:
-            log.warning("ambiguous effect: waiting for review", extra={**extra, "event_id": exc.entry.pk})
+            log.warning("ambiguous effect: waiting for review", extra={**extra, "wal_entry_id": exc.entry.pk})
             self.ambiguous.append(exc.entry)
             return
         except Exception as exc:  # the step's own failure: retry with backoff, then fail the task

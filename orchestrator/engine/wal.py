@@ -106,7 +106,7 @@ def write_intent(*, lease: Lease, step_id: str, call_index: int, tool_name: str,
             task_id=lease.task_id, step_id=step_id, call_index=call_index, tool=tool_name, args=args,
             idempotency_key=key, idempotent=idempotent, lease_epoch=lease.epoch,
             worker=f"{lease.host}:{lease.pid}")
-    log.debug("wal intent", extra={"task_id": lease.task_id, "step_id": step_id, "event_id": entry.pk})
+    log.debug("wal intent", extra={"task_id": lease.task_id, "step_id": step_id, "wal_entry_id": entry.pk})
     return entry
 
 
