@@ -16,6 +16,7 @@ import time
 from django.db import connections, transaction
 from django.utils import timezone
 
+from .. import telemetry
 from ..conf import harness
 from ..models import Task, TaskStatus as S
 from . import processes, states
@@ -47,6 +48,7 @@ def run_isolated(lease: Lease) -> str:
         finally:
             try:
                 connections.close_all()
+                telemetry.flush()  # os._exit skips the exporter's atexit hook
             finally:
                 os._exit(code)
     return Watchdog(lease, pid).watch()
@@ -134,8 +136,9 @@ class Watchdog:
         self.kill_all()
         from .recovery import recover_task
 
-        recover_task(self.lease.task_id, dead_lease=self.lease, cause="its worker was shut down", count_attempt=False)
-        log.info("worker shutting down: task handed back", extra={**self.extra, "resume_strategy": "requeue_from_checkpoint"})
+        with telemetry.capture_context(self.lease.task_id) as outcome:  # what recovery decided, for this line
+            recover_task(self.lease.task_id, dead_lease=self.lease, cause="its worker was shut down", count_attempt=False)
+        log.info("worker shutting down: task handed back", extra={**outcome, **self.extra})
         return "handed back"
 
     def after_exit(self, status: int) -> str:
@@ -150,5 +153,7 @@ class Watchdog:
         log.warning("executor died (%s)", how, extra=self.extra)
         from .recovery import recover_task
 
-        recover_task(self.lease.task_id, dead_lease=self.lease, cause=f"executor pid {self.pid} died ({how})")
+        with telemetry.capture_context(self.lease.task_id) as outcome:  # what recovery decided, for this line
+            recover_task(self.lease.task_id, dead_lease=self.lease, cause=f"executor pid {self.pid} died ({how})")
+        log.info("executor died: task handed to recovery", extra={**outcome, **self.extra})
         return "executor died"
