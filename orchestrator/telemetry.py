@@ -88,7 +88,9 @@ def configure(environ=None) -> bool:
 
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         if console:
-            provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+            # One JSON object per line, like the logs.
+            provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(
+                formatter=lambda span: span.to_json(indent=None) + "\n")))
         trace.set_tracer_provider(provider)
         _provider = provider
         _set_tracer(provider)
