@@ -167,7 +167,7 @@ LOGGING = {
     "loggers": {
         "orchestrator": {"handlers": ["console"], "level": os.environ.get("ORCH_LOG_LEVEL", "INFO")},
         "review": {"handlers": ["console"], "level": os.environ.get("ORCH_LOG_LEVEL", "INFO")},
-        "django_q": {"handlers": ["console"], "level": "WARNING", "propagate": False},
+        "django-q": {"handlers": ["console"], "level": "WARNING", "propagate": False},  # django-q2's logger
     },
 }
 

@@ -173,7 +173,8 @@ def test_the_configured_handler_writes_json_and_text_is_an_option():
 
     code = ("import django, logging; django.setup(); logging.getLogger('orchestrator.x')"
             ".warning('hello %s', 'there', extra={'task_id': 7, 'wal_entry_id': 3})")
-    env = {k: v for k, v in os.environ.items() if k != "ORCH_LOG_FORMAT"}
+    env = {**{k: v for k, v in os.environ.items() if k != "ORCH_LOG_FORMAT"},
+           "DJANGO_SETTINGS_MODULE": "orchestrator.settings"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=60).stderr.strip().splitlines()[-1]
     data = json.loads(out)
