@@ -81,7 +81,8 @@ def configure(environ=None) -> bool:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
         named = env.get("OTEL_SERVICE_NAME") or "service.name=" in env.get("OTEL_RESOURCE_ATTRIBUTES", "")
-        provider = TracerProvider(resource=Resource.create({} if named else {SERVICE_NAME: "orchestrator"}))
+        provider = TracerProvider(resource=Resource.create({} if named else {SERVICE_NAME: "orchestrator"}),
+                                  sampler=_sampler())
         if endpoint:
             # The exporter reads the endpoint, headers and timeout from the OTEL_* variables.
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -96,6 +97,25 @@ def configure(environ=None) -> bool:
         _set_tracer(provider)
         _instrument_libraries(provider)
     return True
+
+
+def _sampler():
+    """Every span, except SQL queries that belong to nothing: a running task's supervisor
+    polls its row ten times a second, a sweeper every few seconds; traced, those would
+    drown the traces that matter. Queries inside a request, run, step or recovery are kept."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Decision, ParentBased, Sampler, SamplingResult
+
+    class NoOrphanQueries(Sampler):
+        def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
+                          trace_state=None):
+            if kind == trace.SpanKind.CLIENT:  # database calls (the only client spans here)
+                return SamplingResult(Decision.DROP)
+            return ALWAYS_ON.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+
+        def get_description(self) -> str:
+            return "NoOrphanQueries"
+
+    return ParentBased(root=NoOrphanQueries())
 
 
 def _instrument_libraries(provider) -> None:
@@ -133,6 +153,18 @@ def use_provider(provider):
     finally:
         global _tracer
         _tracer = previous
+
+
+@contextmanager
+def quiet():
+    """No library spans (SQL) inside the block: for polls inside a traced operation."""
+    if _tracer is None:
+        yield
+        return
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
+
+    with suppress_instrumentation():
+        yield
 
 
 def flush(timeout_millis: int = 5000) -> None:

@@ -97,8 +97,9 @@ class Watchdog:
             time.sleep(WATCH_INTERVAL)
 
     def check_control(self) -> str:
-        row = (Task.objects.filter(pk=self.lease.task_id)
-               .values("control", "control_requested_at", "lease_epoch", "status").first())
+        with telemetry.quiet():  # polled ten times a second, inside the drive span: no SQL spans
+            row = (Task.objects.filter(pk=self.lease.task_id)
+                   .values("control", "control_requested_at", "lease_epoch", "status").first())
         if row is None or row["lease_epoch"] != self.lease.epoch:
             # Another worker owns the task: our executor must not run on.
             self.kill_all()

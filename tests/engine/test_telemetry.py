@@ -219,3 +219,19 @@ def test_spans_from_the_forked_executor_join_the_workers_trace(start_workers):
 
 def named_json(spans, name):
     return [s for s in spans if s["name"] == name]
+
+
+def test_queries_outside_any_span_are_not_traced_and_polls_can_be_quieted(exporter):
+    from opentelemetry import trace
+    from opentelemetry.instrumentation.utils import is_instrumentation_enabled
+    from opentelemetry.sdk.trace.sampling import Decision
+
+    sampler = telemetry._sampler()
+    root = trace.set_span_in_context(trace.INVALID_SPAN)
+    assert sampler.should_sample(root, 1, "SELECT", trace.SpanKind.CLIENT).decision == Decision.DROP
+    assert sampler.should_sample(root, 1, "orchestrator.recovery").decision == Decision.RECORD_AND_SAMPLE
+    with trace.get_tracer("t", tracer_provider=TracerProvider()).start_as_current_span("orchestrator.task.run"):
+        assert sampler.should_sample(None, 1, "SELECT", trace.SpanKind.CLIENT).decision == Decision.RECORD_AND_SAMPLE
+    with telemetry.quiet():
+        assert not is_instrumentation_enabled()
+    assert is_instrumentation_enabled()
