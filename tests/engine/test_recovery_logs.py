@@ -197,8 +197,8 @@ def json_lines(output: str) -> list[dict]:
     return records
 
 
-def logged(cluster, message: str) -> list[dict]:
-    return [r for r in json_lines(cluster.output()) if r.get("message") == message]
+def logged(cluster, message: str, task_id: int) -> list[dict]:
+    return [r for r in json_lines(cluster.output()) if r.get("message") == message and r.get("task_id") == task_id]
 
 
 @pytest.mark.workers
@@ -210,7 +210,7 @@ def test_executor_death_and_worker_shutdown_log_what_recovery_decided(start_work
     wait_for(lambda: stage_processes(task.pk), timeout=60, message="a stage subprocess")
     executor = Task.objects.get(pk=task.pk).worker_pid
     os.kill(executor, signal.SIGKILL)  # the executor dies: its worker hands the task to recovery at once
-    died = wait_for(lambda: logged(cluster, "executor died: task handed to recovery"), timeout=30,
+    died = wait_for(lambda: logged(cluster, "executor died: task handed to recovery", task.pk), timeout=30,
                     message="the executor's death to be logged")[0]
     recovered = Task.objects.get(pk=task.pk)
     first_recovery = TaskEvent.objects.filter(task=task, kind="recovery").order_by("seq").first()
@@ -219,7 +219,7 @@ def test_executor_death_and_worker_shutdown_log_what_recovery_decided(start_work
     assert died["checkpoint_version"] == first_recovery.payload["checkpoint_version"]
     assert died["worker"].endswith(f":{executor}") and died["level"] == "INFO"
     # The worker's recovery line carries the same fields.
-    requeued = logged(cluster, "recovery: re-queued from checkpoint")[0]
+    requeued = logged(cluster, "recovery: re-queued from checkpoint", task.pk)[0]
     assert {k: requeued[k] for k in ("task_id", "event_id", "recovery_attempt")} == \
            {k: died[k] for k in ("task_id", "event_id", "recovery_attempt")}
 
@@ -227,7 +227,7 @@ def test_executor_death_and_worker_shutdown_log_what_recovery_decided(start_work
     wait_for(lambda: Task.objects.get(pk=task.pk).worker_pid not in (None, executor) and stage_processes(task.pk),
              timeout=60, message="the task to run again")
     os.killpg(cluster.proc.pid, signal.SIGTERM)
-    back = wait_for(lambda: logged(cluster, "worker shutting down: task handed back"), timeout=30,
+    back = wait_for(lambda: logged(cluster, "worker shutting down: task handed back", task.pk), timeout=30,
                     message="the hand-back to be logged")[0]
     handed = TaskEvent.objects.filter(task=task, kind="recovery").order_by("seq").last()
     assert back["task_id"] == task.pk and back["resume_strategy"] == "requeue_from_checkpoint"
