@@ -130,7 +130,12 @@ def test_a_recovery_with_effects_in_doubt_records_one_event_per_entry(exporter, 
 
 
 def test_without_a_provider_the_wrappers_are_plain_calls():
-    assert not telemetry.tracing_enabled()  # nothing configured in the test settings
+    with telemetry.use_provider(None):  # as in the test settings (no OTEL_* variables)
+        assert not telemetry.tracing_enabled()
+        plain_calls()
+
+
+def plain_calls():
     calls = []
 
     def execute(runner, ctx):
