@@ -7,3 +7,6 @@ class OrchestratorConfig(AppConfig):
 
     def ready(self):
         from . import checks  # noqa: F401  (registers the system checks)
+        from . import telemetry
+
+        telemetry.configure()  # traces only when OTEL_EXPORTER_OTLP_ENDPOINT or ORCH_OTEL_CONSOLE=1

@@ -158,12 +158,16 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {
-        "structured": {"()": "orchestrator.logging.StructuredFormatter"},
+        # One JSON object per line (python-json-logger); ORCH_LOG_FORMAT=text for key=value lines.
+        "json": {"()": "orchestrator.logging.JsonFormatter"},
+        "text": {"()": "orchestrator.logging.TextFormatter"},
     },
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "structured"}},
+    "handlers": {"console": {"class": "logging.StreamHandler",
+                             "formatter": "text" if os.environ.get("ORCH_LOG_FORMAT", "json") == "text" else "json"}},
     "loggers": {
         "orchestrator": {"handlers": ["console"], "level": os.environ.get("ORCH_LOG_LEVEL", "INFO")},
-        "django_q": {"handlers": ["console"], "level": "WARNING", "propagate": False},
+        "review": {"handlers": ["console"], "level": os.environ.get("ORCH_LOG_LEVEL", "INFO")},
+        "django-q": {"handlers": ["console"], "level": "WARNING", "propagate": False},  # django-q2's logger
     },
 }
 

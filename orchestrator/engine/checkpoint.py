@@ -13,6 +13,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from .. import telemetry
 from ..conf import harness
 from ..models import Snapshot, Step, StepStatus, Task, TaskStatus
 from . import wal
@@ -77,6 +78,7 @@ def save_snapshot(task: Task, state: dict, step_id: str = "") -> Snapshot:
     return snapshot
 
 
+@telemetry.traced_checkpoint
 def commit_step(*, lease: Lease, plan: PlanState, step_id: str, result: Any, reads: list[str],
                 effects: list[wal.CompletedEffect], started_at: datetime, tokens_used: int = 0,
                 active_seconds: float = 0.0) -> int:

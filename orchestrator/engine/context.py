@@ -10,6 +10,7 @@ from typing import Any
 from django.db import transaction
 from pydantic import BaseModel
 
+from .. import telemetry
 from ..tools.http import http_call
 from ..tools.llm import stream_completion
 from ..tools.shell import run_in_group
@@ -134,7 +135,7 @@ class StepContext:
 
                 connection.close()
 
-        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread = threading.Thread(target=telemetry.in_current_trace(run), name=name, daemon=True)
         self._subtasks.append((token, future))
         thread.start()
         return future

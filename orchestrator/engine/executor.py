@@ -16,6 +16,7 @@ import time
 from django.db import connections, transaction
 from django.utils import timezone
 
+from .. import telemetry
 from ..conf import harness
 from ..models import Task, TaskStatus as S
 from . import processes, states
@@ -47,6 +48,7 @@ def run_isolated(lease: Lease) -> str:
         finally:
             try:
                 connections.close_all()
+                telemetry.flush()  # os._exit skips the exporter's atexit hook
             finally:
                 os._exit(code)
     return Watchdog(lease, pid).watch()
@@ -95,8 +97,9 @@ class Watchdog:
             time.sleep(WATCH_INTERVAL)
 
     def check_control(self) -> str:
-        row = (Task.objects.filter(pk=self.lease.task_id)
-               .values("control", "control_requested_at", "lease_epoch", "status").first())
+        with telemetry.quiet():  # polled ten times a second, inside the drive span: no SQL spans
+            row = (Task.objects.filter(pk=self.lease.task_id)
+                   .values("control", "control_requested_at", "lease_epoch", "status").first())
         if row is None or row["lease_epoch"] != self.lease.epoch:
             # Another worker owns the task: our executor must not run on.
             self.kill_all()
@@ -134,8 +137,9 @@ class Watchdog:
         self.kill_all()
         from .recovery import recover_task
 
-        recover_task(self.lease.task_id, dead_lease=self.lease, cause="its worker was shut down", count_attempt=False)
-        log.info("worker shutting down: task handed back", extra={**self.extra, "resume_strategy": "requeue_from_checkpoint"})
+        with telemetry.capture_context(self.lease.task_id) as outcome:  # what recovery decided, for this line
+            recover_task(self.lease.task_id, dead_lease=self.lease, cause="its worker was shut down", count_attempt=False)
+        log.info("worker shutting down: task handed back", extra={**outcome, **self.extra})
         return "handed back"
 
     def after_exit(self, status: int) -> str:
@@ -150,5 +154,7 @@ class Watchdog:
         log.warning("executor died (%s)", how, extra=self.extra)
         from .recovery import recover_task
 
-        recover_task(self.lease.task_id, dead_lease=self.lease, cause=f"executor pid {self.pid} died ({how})")
+        with telemetry.capture_context(self.lease.task_id) as outcome:  # what recovery decided, for this line
+            recover_task(self.lease.task_id, dead_lease=self.lease, cause=f"executor pid {self.pid} died ({how})")
+        log.info("executor died: task handed to recovery", extra={**outcome, **self.extra})
         return "executor died"

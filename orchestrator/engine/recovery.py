@@ -22,12 +22,13 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from .. import telemetry
 from ..conf import harness
 from ..models import IdempotencyRecord, Task, TaskStatus as S, WalEntry, WalStatus
 from . import scheduler, states
 from .events import append_event
 
-log = logging.getLogger(__name__)
+log = telemetry.ContextLogger(logging.getLogger(__name__))  # recovery's fields also reach its span
 
 SWEEPABLE = (S.RUNNING, S.PAUSING, S.STOPPING)
 
@@ -96,10 +97,12 @@ def give_up_slow_recoveries(now=None) -> list[int]:
                        f"(ORCH_RECOVERY_TIMEOUT_SECONDS={timeout:g}; {task.recovery_attempts} attempt(s); "
                        f"last cause: {cause})")
             handed.append(task.pk)
+            extra["event_id"] = task.event_seq  # the status event just written
         log.warning("recovery timed out: needs a human", extra=extra)
     return handed
 
 
+@telemetry.traced_recovery
 def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attempt: bool = True) -> bool:
     """Recover one task whose worker is gone: found stale by a sweeper, or reported dead
     (`dead_lease`) by the worker that watched its executor die. An orderly worker shutdown
@@ -112,6 +115,7 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attemp
     with transaction.atomic():
         task = candidates.first()
         if task is None:
+            log.debug("recovery: nothing to do", extra={"task_id": task_id, "resume_strategy": "none"})
             return False  # recovered by another sweeper, or alive after all
         attempt = task.recovery_attempts + (1 if count_attempt else 0)
         dead_worker = task.lease_owner
@@ -121,7 +125,8 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attemp
         if attempt > harness.max_recovery_attempts:
             states.transition(task, S.NEEDS_HUMAN, reason=f"recovery attempts exhausted ({attempt - 1})",
                               action="recovery", lease_owner="")
-            log.warning("recovery: needs a human", extra={**extra, "resume_strategy": "needs_human"})
+            log.warning("recovery: needs a human", extra={**extra, "event_id": task.event_seq,
+                                                          "resume_strategy": "needs_human"})
             return True
         # Outstanding operator requests finish here: nobody is running the task any more.
         target = {S.STOPPING: S.STOPPED, S.PAUSING: S.PAUSED}.get(task.status)
@@ -129,7 +134,8 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attemp
             target = S.TERMINATED if task.control == "terminate" else target
             states.transition(task, target, reason=f"worker {dead_worker} died; {task.control} completed by recovery",
                               action="recovery", lease_owner="", control="", activities=[])
-            log.info("recovery: settled operator request", extra={**extra, "resume_strategy": target})
+            log.info("recovery: settled operator request", extra={**extra, "event_id": task.event_seq,
+                                                                  "resume_strategy": target})
             return True
         # Fence the dead worker now (epoch + 1), even before the next one claims.
         task.recovery_attempts, task.lease_owner = attempt, ""
@@ -140,21 +146,25 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attemp
                                  "recovering_since", "updated_at"])
         append_event(task, "recovery", {"attempt": attempt, "dead_worker": dead_worker, "cause": cause,
                                         "checkpoint_version": task.checkpoint_version})
+        extra["event_id"] = task.event_seq  # the recovery event
         in_doubt = settle_pending_wal(task, dead_worker=dead_worker, cause=cause, extra=extra)
         if in_doubt:
             states.transition(task, S.AWAITING_REVIEW, action="recovery",
                               reason=f"{len(in_doubt)} side effect(s) in doubt after worker {dead_worker} died")
-            log.warning("recovery: awaiting review", extra={**extra, "resume_strategy": "awaiting_review"})
+            log.warning("recovery: awaiting review", extra={**extra, "event_id": task.event_seq,
+                                                            "resume_strategy": "awaiting_review"})
             return True
         problem = resources_problem(task)
         if problem:
             states.transition(task, S.NEEDS_HUMAN, action="recovery", reason=f"cannot continue: {problem}")
-            log.warning("recovery: resources invalid", extra={**extra, "resume_strategy": "needs_human"})
+            log.warning("recovery: resources invalid", extra={**extra, "event_id": task.event_seq,
+                                                              "resume_strategy": "needs_human"})
             return True
         if task.status != S.RUNNING and task.status != S.QUEUED:
             states.transition(task, S.QUEUED, action="recovery", reason="re-queued after recovery")
         scheduler.enqueue(task.pk)
-    log.info("recovery: re-queued from checkpoint", extra={**extra, "resume_strategy": "requeue_from_checkpoint"})
+    log.info("recovery: re-queued from checkpoint", extra={**extra, "event_id": task.event_seq,
+                                                           "resume_strategy": "requeue_from_checkpoint"})
     return True
 
 
@@ -171,7 +181,7 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict)
     opened = []
     for entry in WalEntry.objects.filter(task=task, status=WalStatus.PENDING).order_by("id"):
         record = IdempotencyRecord.objects.filter(key=entry.idempotency_key).first()
-        log_extra = {**extra, "event_id": entry.pk}
+        log_extra = {**extra, "wal_entry_id": entry.pk}
         if record is not None:
             WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.DONE, result=record.result,
                                                         completed_at=timezone.now())
@@ -181,6 +191,8 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict)
             log.info("recovery: idempotent effect will be replayed with the same key",
                      extra={**log_extra, "resume_strategy": "replay_idempotent"})
         else:
+            log.info("recovery: non-idempotent effect in doubt; opening a review item",
+                     extra={**log_extra, "resume_strategy": "open_review"})
             opened.append(review_open(entry=entry, dead_worker=dead_worker or entry.worker, reason=(
                 f"Worker {dead_worker or entry.worker} stopped ({cause}) after writing the intent for "
                 f"{entry.tool} at {entry.created_at:%Y-%m-%d %H:%M:%S} UTC and before recording its outcome. "

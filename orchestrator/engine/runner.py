@@ -22,6 +22,7 @@ from datetime import datetime
 from django.db import DatabaseError, close_old_connections, connection, transaction
 from django.utils import timezone
 
+from .. import telemetry
 from ..conf import harness
 from ..models import StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
@@ -189,6 +190,7 @@ class Runner:
         self.token.cancel("lease lost")
 
     # --- the loop -----------------------------------------------------------------------
+    @telemetry.traced_run
     def run(self) -> str:
         task = Task.objects.get(pk=self.lease.task_id)
         task_type = get_type(task.type)
@@ -298,6 +300,7 @@ class Runner:
                               generation=self.plan.generations.get(step_id, 0))
             in_flight[pool.submit(self.execute, ctx)] = InFlight(step_id, ctx, timezone.now())
 
+    @telemetry.traced_step
     def execute(self, ctx: StepContext):
         close_old_connections()
         try:

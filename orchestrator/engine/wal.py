@@ -28,6 +28,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from .. import telemetry
 from ..models import IdempotencyRecord, WalEntry, WalStatus
 from ..tools.base import OutcomeUnknown, ToolError, get_tool
 from .cancellation import Cancelled
@@ -75,6 +76,7 @@ def idempotency_key(task_id: int, step_id: str, call_index: int, generation: int
     return f"t{task_id}:{step}:{call_index}"
 
 
+@telemetry.traced_effect
 def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args: dict, token,
             completed: list[CompletedEffect], generation: int = 0) -> Any:
     """Run one side effect under the WAL protocol; append it to `completed` when it happened."""

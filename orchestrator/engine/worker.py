@@ -3,6 +3,7 @@ import logging
 
 from django.db import close_old_connections
 
+from .. import telemetry
 from ..conf import harness
 from .lease import claim
 from .runner import Runner
@@ -10,6 +11,7 @@ from .runner import Runner
 log = logging.getLogger(__name__)
 
 
+@telemetry.traced_drive
 def drive_task(task_id: int) -> str:
     close_old_connections()
     lease = claim(task_id)

@@ -68,8 +68,7 @@ def test_a_claimed_or_finished_task_is_never_sent_again(lost_sends):
 @pytest.mark.workers
 def test_frozen_workers_lost_messages_every_task_completes(start_workers, start_sweeper):
     cluster = start_workers(2)
-    wait_for(lambda: "running" in cluster.output().lower() or "started" in cluster.output().lower(), timeout=60,
-             message="the cluster to start")
+    wait_for(lambda: len(cluster.worker_pids()) >= 2, timeout=60, message="the cluster's workers to start")
     cluster.freeze()
     ids = [services.task_create(type="demo.pipeline", params=PIPELINE).pk for _ in range(4)]
     get_broker().purge_queue()  # every message for these tasks is gone
