@@ -11,6 +11,7 @@ import pytest
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.test import Client
+from django.conf import settings
 from django.urls import URLPattern, URLResolver, get_resolver
 
 from orchestrator.auth import token_issue
@@ -325,7 +326,8 @@ def test_page_matrix(client, make_user, method, route, data, identity):
 
 # --- the websockets ---------------------------------------------------------------------------
 
-ORIGIN = [(b"origin", b"http://localhost")]
+# A page of this site: the origin the browser sends, port included (see orchestrator/origins.py).
+ORIGIN = [(b"origin", f"http://localhost:{settings.PORT}".encode())]
 
 
 def session_headers(user) -> list:
