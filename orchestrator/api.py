@@ -376,7 +376,16 @@ def task_detail(request, task_id: int = id_param("a task id")):
     return task_out(get_task(task_id))
 
 
+def optional_object_body(request) -> None:
+    """An optional body must be a JSON object (or absent / null): ninja reads any other JSON
+    value (a list, a number) as "no body", which would accept e.g. `[1]` as a plain request."""
+    raw = request.body.strip()
+    if raw and not isinstance(json.loads(raw), (dict, type(None))):
+        raise services.InvalidInput([services.FieldError("body", "must be a JSON object (or empty)")])
+
+
 def _control(request, task_id: int, action, body: ControlIn | None):
+    optional_object_body(request)
     require(request, roles.OPERATOR)
     get_task(task_id)
     action(task_id=task_id, actor=request.auth, ip=client_ip(request), reason=body.reason if body else "")
@@ -437,6 +446,7 @@ def resume_task(request, task_id: int = id_param("a task id"), body: ResumeIn | 
     run again, which side effects that repeats, what blocks) and changes nothing; applying
     it with the preview's `version` as `expected_version` is refused (409) if the task
     changed meanwhile. `limits` raises limits (a task paused by a limit needs that)."""
+    optional_object_body(request)
     require(request, roles.OPERATOR)
     task = get_task(task_id)
     body = body or ResumeIn()
