@@ -8,6 +8,7 @@ Every record links to its task and to the task's other records (steps, WAL, snap
 events, audit); a changelist opened from such a link shows the task as an active filter."""
 from django.contrib import admin
 from django.contrib.admin.options import IncorrectLookupParameters
+from django.db import DataError, transaction
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
@@ -25,6 +26,21 @@ admin.site.index_title = "Records"
 
 
 TASK_PARAM = "task__id__exact"
+MAX_ID = 2**63 - 1  # ids are signed 64-bit
+
+
+class GuardedChangelistAdmin(admin.ModelAdmin):
+    """A changelist whose filter values the database cannot take (an id or a year past
+    64 bits: OverflowError on SQLite, DataError on PostgreSQL) is treated like any other
+    invalid lookup: the admin redirects to the unfiltered list with `?e=1`, instead of a 500.
+    The savepoint keeps a PostgreSQL transaction usable after the failed query."""
+
+    def get_changelist_instance(self, request):
+        try:
+            with transaction.atomic(using=self.model.objects.db):
+                return super().get_changelist_instance(request)
+        except (OverflowError, DataError) as exc:
+            raise IncorrectLookupParameters(f"a filter value is out of range: {exc}") from exc
 
 
 def _changelist(model, task_id: int, **extra) -> str:
@@ -63,7 +79,7 @@ class TaskFilter(admin.SimpleListFilter):
             return []
         # The admin drops a filter without choices *and* its parameter, which would list
         # every task's records as if they were this one's: refuse a bad id instead.
-        if not str(value).isdigit():
+        if not str(value).isdigit() or not 1 <= int(value) <= MAX_ID:
             raise IncorrectLookupParameters(f"not a task id: {value!r}")
         task = Task.objects.filter(pk=value).only("id", "type", "status").first()
         return [(str(value), str(task) if task else f"#{value} (deleted)")]
@@ -84,7 +100,7 @@ task_link.short_description = "task"
 task_link.admin_order_field = "task"
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class ReadOnlyAdmin(GuardedChangelistAdmin):
     """Viewing only: the engine writes these rows, and removing one would corrupt a task's
     durable state (a step, a snapshot, an idempotency record that prevents a second
     side effect), so they cannot be deleted here either."""
@@ -143,7 +159,7 @@ class StepInline(admin.TabularInline):
 
 
 @admin.register(Task)
-class TaskAdmin(admin.ModelAdmin):
+class TaskAdmin(GuardedChangelistAdmin):
     list_display = ("id", "type", "title", "status", "progress", "recovery_attempts", "worker", "created_by",
                     "created_at", "updated_at")
     list_display_links = ("id", "type")
@@ -294,17 +310,21 @@ class AuditEntryAdmin(AppendOnlyAdmin):
 
 
 @admin.register(ApiToken)
-class ApiTokenAdmin(admin.ModelAdmin):
+class ApiTokenAdmin(GuardedChangelistAdmin):
     """Only the prefix is shown: the token itself is never stored, its hash is not shown.
     Create tokens with `manage.py apitoken USERNAME`; delete one here to revoke it."""
 
-    list_display = ("prefix_display", "user", "created_at", "last_used_at")
+    list_display = ("prefix_display", "user", "created_at", "last_used_at", "expires_at", "expired")
     search_fields = ("prefix", "user__username")
-    list_filter = ("created_at", "last_used_at")
+    list_filter = ("created_at", "last_used_at", "expires_at")
     list_select_related = ("user",)
     date_hierarchy = "created_at"
-    fields = ("user", "prefix_display", "created_at", "last_used_at")
+    fields = ("user", "prefix_display", "created_at", "last_used_at", "expires_at", "expired")
     readonly_fields = fields
+
+    @admin.display(description="expired", boolean=True)
+    def expired(self, obj):
+        return obj.is_expired()
 
     @admin.display(description="token", ordering="prefix")
     def prefix_display(self, obj):
@@ -320,19 +340,19 @@ class ApiTokenAdmin(admin.ModelAdmin):
 # --- The demo workloads' tables -----------------------------------------------------------
 
 @admin.register(DemoSource)
-class DemoSourceAdmin(admin.ModelAdmin):
+class DemoSourceAdmin(GuardedChangelistAdmin):
     list_display = ("id", "amount")
     search_fields = ("=id",)
 
 
 @admin.register(DemoDestination)
-class DemoDestinationAdmin(admin.ModelAdmin):
+class DemoDestinationAdmin(GuardedChangelistAdmin):
     list_display = ("id", "amount")
     search_fields = ("=id",)
 
 
 @admin.register(DemoContractExtraction)
-class DemoContractExtractionAdmin(admin.ModelAdmin):
+class DemoContractExtractionAdmin(GuardedChangelistAdmin):
     list_display = ("contract", task_link, "parties", "dates", "amounts")
     list_filter = (TaskFilter,)
     search_fields = ("contract", "=task__id")

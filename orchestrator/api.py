@@ -2,36 +2,69 @@
 checks the role and calls the engine's services; JSON in and out."""
 import json
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from django.core.serializers.json import DjangoJSONEncoder
 
 from django.http import HttpRequest
-from ninja import NinjaAPI, Schema, Status
-from pydantic import Field
-from ninja.errors import ValidationError as NinjaValidationError
+from ninja import Field, NinjaAPI, Path, Query, Schema, Status
+from ninja.errors import AuthenticationError, HttpError, ValidationError as NinjaValidationError
 from ninja.security import HttpBearer, SessionAuth
+from ninja.utils import check_csrf
 
 from . import roles, selectors
-from .auth import token_user
+from .auth import TokenRejected, token_authenticate
 from .engine import revisions, services
 from .engine.states import InvalidTransition
-from .models import AuditEntry, Snapshot, Task, TaskEvent, WalEntry
+from .models import AuditEntry, Snapshot, Task, TaskEvent, TaskStatus, WalEntry
 from .tasktypes import all_types
 from review import selectors as review_selectors, services as review_services
-from review.models import ReviewItem
+from review.models import Decision, ReviewItem, ReviewStatus
+
+
+class NotAuthenticated(Exception):
+    """401: no credentials, or a bearer token that authenticates nobody (the message says why)."""
+
+
+class CsrfFailed(Exception):
+    pass
 
 
 class BearerAuth(HttpBearer):
+    """`Authorization: Bearer <token>`. A request that sends a bearer token is judged by it
+    alone: a bad or expired one is a 401 saying so (never a fall-back to the session and its
+    CSRF check)."""
+
     def authenticate(self, request, token):
-        user = token_user(token)
-        if user is not None:
-            request.user = user
+        try:
+            user = token_authenticate(token)
+        except TokenRejected as exc:
+            raise NotAuthenticated(str(exc)) from None
+        request.user = user
         return user
 
 
-api = NinjaAPI(title="Orchestrator API", version="1", auth=[BearerAuth(), SessionAuth()],
+class LoggedInSession(SessionAuth):
+    """The browser's login session; its unsafe requests (POST) need the CSRF token. A request
+    without a logged-in session is not checked for CSRF: it is simply not authenticated."""
+
+    def __call__(self, request):
+        if not request.user.is_authenticated:
+            return None
+        if request.method not in ("GET", "HEAD", "OPTIONS", "TRACE") and check_csrf(request):
+            raise CsrfFailed("CSRF check failed: a request with the login session cookie must send the "
+                             "X-CSRFToken header (the csrftoken cookie's value); scripts should use "
+                             "'Authorization: Bearer <token>' instead.")
+        return request.user
+
+
+api = NinjaAPI(title="Orchestrator API", version="1", auth=[BearerAuth(), LoggedInSession()],
                urls_namespace="api")
+
+# The largest id/seq the database stores (signed 64-bit); a bigger one is a 422, not a 500.
+MAX_ID = 2**63 - 1
 
 
 # --- errors --------------------------------------------------------------------------------
@@ -66,6 +99,48 @@ def on_schema_error(request, exc: NinjaValidationError):
                "message": err.get("msg", "invalid")} for err in exc.errors]
     return api.create_response(request, {"detail": "Invalid input: " + "; ".join(
         f"{e['field']}: {e['message']}" for e in errors), "errors": errors}, status=422)
+
+
+@api.exception_handler(NotAuthenticated)
+def on_not_authenticated(request, exc: NotAuthenticated):
+    response = api.create_response(request, {"detail": str(exc), "errors": []}, status=401)
+    response["WWW-Authenticate"] = 'Bearer error="invalid_token"'
+    return response
+
+
+@api.exception_handler(AuthenticationError)
+def on_no_credentials(request, exc: AuthenticationError):
+    response = api.create_response(request, {
+        "detail": "Authentication required: send 'Authorization: Bearer <token>' (create one with "
+                  "`manage.py apitoken USERNAME`) or log in at /accounts/login/.", "errors": []}, status=401)
+    response["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+@api.exception_handler(CsrfFailed)
+def on_csrf_failed(request, exc: CsrfFailed):
+    return api.create_response(request, {"detail": str(exc), "errors": []}, status=403)
+
+
+@api.exception_handler(RequestDataTooBig)
+def on_request_too_big(request, exc: RequestDataTooBig):
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    return api.create_response(request, {
+        "detail": f"Request body too large: the limit is {limit} bytes ({limit / 1048576:.1f} MiB, "
+                  "setting ORCH_MAX_REQUEST_BYTES). Send less data per request.", "errors": []}, status=413)
+
+
+@api.exception_handler(SuspiciousOperation)
+def on_suspicious(request, exc: SuspiciousOperation):
+    return api.create_response(request, {"detail": f"Bad request: {exc}", "errors": []}, status=400)
+
+
+@api.exception_handler(HttpError)
+def on_http_error(request, exc: HttpError):
+    detail = str(exc)
+    if exc.status_code == 400 and detail.startswith("Cannot parse request body"):
+        detail = "Cannot parse the request body: send valid JSON with 'Content-Type: application/json'."
+    return api.create_response(request, {"detail": detail, "errors": []}, status=exc.status_code)
 
 
 @api.exception_handler(InvalidTransition)
@@ -108,8 +183,18 @@ class TaskTypeOut(Schema):
     params_schema: dict
 
 
+def _enum(values):
+    """Enumerate `values()` in the OpenAPI schema (read when the schema is built); the
+    services still validate the value, with a message naming the valid ones."""
+    return lambda schema: schema.update(enum=sorted(values()))
+
+
+def task_type_names():
+    return list(all_types())
+
+
 class TaskCreateIn(Schema):
-    type: str
+    type: str = Field(..., description="a task type (GET /api/task-types)", json_schema_extra=_enum(task_type_names))
     params: dict[str, Any] = {}
     limits: dict[str, Any] | None = None
     title: str = ""
@@ -235,19 +320,34 @@ def task_out(task: Task) -> dict:
         activities=task.activities, steps=steps)
 
 
-ERRORS = {401: ErrorOut, 403: ErrorOut, 404: ErrorOut}
+# Every status an endpoint can answer is declared (schemathesis checks that).
+AUTH = {401: ErrorOut, 403: ErrorOut}           # no/bad credentials, missing role or CSRF
+PARAMS = {422: ErrorOut}                        # a query or path parameter is invalid
+FOUND = {404: ErrorOut, **PARAMS}               # an id in the path
+BODY = {400: ErrorOut, 413: ErrorOut, 422: ErrorOut}  # unreadable JSON, too large, invalid
+
+
+def responses(ok: dict, *parts: dict) -> dict:
+    merged = {**ok, **AUTH}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def id_param(what: str):
+    return Path(..., ge=1, le=MAX_ID, description=what)
 
 
 # --- endpoints -----------------------------------------------------------------------------
 
-@api.get("/task-types", response={200: list[TaskTypeOut], **ERRORS}, tags=["tasks"])
+@api.get("/task-types", response=responses({200: list[TaskTypeOut]}), tags=["tasks"])
 def list_task_types(request):
     require(request, roles.VIEWER)
     return [TaskTypeOut(name=t.name, title=t.title, description=t.description, params_schema=t.params_schema())
             for t in all_types().values()]
 
 
-@api.post("/tasks", response={201: TaskOut, 422: ErrorOut, **ERRORS}, tags=["tasks"])
+@api.post("/tasks", response=responses({201: TaskOut}, BODY), tags=["tasks"])
 def create_task(request, body: TaskCreateIn):
     require(request, roles.OPERATOR)
     task = services.task_create(type=body.type, params=body.params, limits=body.limits, title=body.title,
@@ -255,8 +355,12 @@ def create_task(request, body: TaskCreateIn):
     return Status(201, task_out(task))
 
 
-@api.get("/tasks", response={200: TaskPageOut, **ERRORS}, tags=["tasks"])
-def list_tasks(request, status: str = "", type: str = "", q: str = "", before: int | None = None, limit: int = 50):
+@api.get("/tasks", response=responses({200: TaskPageOut}, PARAMS), tags=["tasks"])
+def list_tasks(request, status: str = Query("", description="comma-separated statuses: "
+                                         + ", ".join(TaskStatus.values)),
+               type: str = Query("", description="a task type"), q: str = "",
+               before: int | None = Query(None, ge=1, le=MAX_ID, description="the `next_before` of the previous page"),
+               limit: int = Query(50, ge=1, le=MAX_ID, description="page size (at most 500 are returned)")):
     require(request, roles.VIEWER)
     rows, next_before = selectors.task_page(selectors.task_list(status=status, type=type, text=q), before=before,
                                             limit=max(1, min(limit, 500)))
@@ -266,34 +370,43 @@ def list_tasks(request, status: str = "", type: str = "", q: str = "", before: i
         created_at=t.created_at, updated_at=t.updated_at) for t in rows], next_before=next_before)
 
 
-@api.get("/tasks/{task_id}", response={200: TaskOut, **ERRORS}, tags=["tasks"])
-def task_detail(request, task_id: int):
+@api.get("/tasks/{task_id}", response=responses({200: TaskOut}, FOUND), tags=["tasks"])
+def task_detail(request, task_id: int = id_param("a task id")):
     require(request, roles.VIEWER)
     return task_out(get_task(task_id))
 
 
+def optional_object_body(request) -> None:
+    """An optional body must be a JSON object (or absent / null): ninja reads any other JSON
+    value (a list, a number) as "no body", which would accept e.g. `[1]` as a plain request."""
+    raw = request.body.strip()
+    if raw and not isinstance(json.loads(raw), (dict, type(None))):
+        raise services.InvalidInput([services.FieldError("body", "must be a JSON object (or empty)")])
+
+
 def _control(request, task_id: int, action, body: ControlIn | None):
+    optional_object_body(request)
     require(request, roles.OPERATOR)
     get_task(task_id)
     action(task_id=task_id, actor=request.auth, ip=client_ip(request), reason=body.reason if body else "")
     return task_out(get_task(task_id))
 
 
-CONTROL_RESPONSES = {200: TaskOut, 409: ErrorOut, 422: ErrorOut, **ERRORS}
+CONTROL_RESPONSES = responses({200: TaskOut}, FOUND, BODY, {409: ErrorOut})
 
 
 @api.post("/tasks/{task_id}/pause", response=CONTROL_RESPONSES, tags=["control"])
-def pause_task(request, task_id: int, body: ControlIn | None = None):
+def pause_task(request, task_id: int = id_param("a task id"), body: ControlIn | None = None):
     return _control(request, task_id, services.task_pause, body)
 
 
 @api.post("/tasks/{task_id}/stop", response=CONTROL_RESPONSES, tags=["control"])
-def stop_task(request, task_id: int, body: ControlIn | None = None):
+def stop_task(request, task_id: int = id_param("a task id"), body: ControlIn | None = None):
     return _control(request, task_id, services.task_stop, body)
 
 
 @api.post("/tasks/{task_id}/terminate", response=CONTROL_RESPONSES, tags=["control"])
-def terminate_task(request, task_id: int, body: ControlIn | None = None):
+def terminate_task(request, task_id: int = id_param("a task id"), body: ControlIn | None = None):
     return _control(request, task_id, services.task_terminate, body)
 
 
@@ -303,7 +416,7 @@ class SkipStepIn(Schema):
 
 
 @api.post("/tasks/{task_id}/skip-step", response=CONTROL_RESPONSES, tags=["control"])
-def skip_step(request, task_id: int, body: SkipStepIn):
+def skip_step(request, body: SkipStepIn, task_id: int = id_param("a task id")):
     """Skip one unfinished step of a task that needs a human (with the dependants that need
     its result, unless they run after skipped steps) and continue the task. Audited."""
     require(request, roles.OPERATOR)
@@ -343,9 +456,9 @@ class RevisionOut(Schema):
     task: TaskOut
 
 
-@api.post("/tasks/{task_id}/resume", response={200: RevisionOut, 409: ErrorOut, 422: ErrorOut, **ERRORS},
+@api.post("/tasks/{task_id}/resume", response=responses({200: RevisionOut}, FOUND, BODY, {409: ErrorOut}),
           tags=["control"])
-def resume_task(request, task_id: int, body: ResumeIn | None = None):
+def resume_task(request, task_id: int = id_param("a task id"), body: ResumeIn | None = None):
     """Resume a paused task from its checkpoint. With `params`, the parameters are edited
     first: `dry_run: true` returns the impact preview (which finished steps are kept, which
     run again, which side effects that repeats) and changes nothing; applying it with the
@@ -353,6 +466,7 @@ def resume_task(request, task_id: int, body: ResumeIn | None = None):
     or if it would perform a non-idempotent effect again that `repeat_effects` does not
     confirm (the preview's `must_confirm`). `limits` raises limits (a task paused by a limit
     needs that)."""
+    optional_object_body(request)
     require(request, roles.OPERATOR)
     task = get_task(task_id)
     body = body or ResumeIn()
@@ -383,9 +497,9 @@ class RollbackIn(Schema):
         "preview's `must_confirm`); without them the rollback is refused (409)."))
 
 
-@api.post("/tasks/{task_id}/rollback", response={200: RevisionOut, 409: ErrorOut, 422: ErrorOut, **ERRORS},
+@api.post("/tasks/{task_id}/rollback", response=responses({200: RevisionOut}, FOUND, BODY, {409: ErrorOut}),
           tags=["control"])
-def rollback_task(request, task_id: int, body: RollbackIn):
+def rollback_task(request, body: RollbackIn, task_id: int = id_param("a task id")):
     """Roll a paused task back to snapshot `version` and resume from there. The preview lists
     the side effects performed after that version (they are not undone) and those the
     re-run performs again; the non-idempotent ones must be confirmed in `repeat_effects`."""
@@ -400,38 +514,39 @@ def rollback_task(request, task_id: int, body: RollbackIn):
     return RevisionOut(applied=not body.dry_run, preview=preview.as_dict(), task=task_out(get_task(task_id)))
 
 
-@api.get("/tasks/{task_id}/wal", response={200: list[WalOut], **ERRORS}, tags=["history"])
-def task_wal(request, task_id: int):
+@api.get("/tasks/{task_id}/wal", response=responses({200: list[WalOut]}, FOUND), tags=["history"])
+def task_wal(request, task_id: int = id_param("a task id")):
     require(request, roles.VIEWER)
     task = get_task(task_id)
     return list(WalEntry.objects.filter(task=task).order_by("id"))
 
 
-@api.get("/tasks/{task_id}/snapshots", response={200: list[SnapshotOut], **ERRORS}, tags=["history"])
-def task_snapshots(request, task_id: int):
+@api.get("/tasks/{task_id}/snapshots", response=responses({200: list[SnapshotOut]}, FOUND), tags=["history"])
+def task_snapshots(request, task_id: int = id_param("a task id")):
     require(request, roles.VIEWER)
     task = get_task(task_id)
     return list(Snapshot.objects.filter(task=task).order_by("-version"))
 
 
-@api.get("/tasks/{task_id}/events", response={200: list[EventOut], **ERRORS}, tags=["history"])
-def task_events(request, task_id: int, after: int = 0, limit: int = 500):
+@api.get("/tasks/{task_id}/events", response=responses({200: list[EventOut]}, FOUND), tags=["history"])
+def task_events(request, task_id: int = id_param("a task id"), after: int = Query(0, ge=0, le=MAX_ID),
+                limit: int = Query(500, ge=1, le=MAX_ID, description="at most 5000 are returned")):
     """Events with seq > `after`, oldest first (resume from the last seq you saw)."""
     require(request, roles.VIEWER)
     task = get_task(task_id)
     return list(TaskEvent.objects.filter(task=task, seq__gt=after).order_by("seq")[:max(1, min(limit, 5000))])
 
 
-@api.get("/tasks/{task_id}/audit", response={200: list[AuditOut], **ERRORS}, tags=["history"])
-def task_audit(request, task_id: int):
+@api.get("/tasks/{task_id}/audit", response=responses({200: list[AuditOut]}, FOUND), tags=["history"])
+def task_audit(request, task_id: int = id_param("a task id")):
     require(request, roles.VIEWER)
     task = get_task(task_id)
     return [AuditOut(id=a.pk, at=a.at, actor=a.actor_name, ip=a.ip, action=a.action, before=a.before,
                      after=a.after, reason=a.reason) for a in AuditEntry.objects.filter(task=task).order_by("at", "id")]
 
 
-@api.get("/tasks/{task_id}/export", response={200: dict, **ERRORS}, tags=["history"])
-def task_export(request, task_id: int):
+@api.get("/tasks/{task_id}/export", response=responses({200: dict}, FOUND), tags=["history"])
+def task_export(request, task_id: int = id_param("a task id")):
     """Everything about a task in one JSON document (task, steps, WAL, last snapshot,
     events, audit, reviews) — what a human needs to investigate a `needs_human` task."""
     require(request, roles.VIEWER)
@@ -465,7 +580,8 @@ class ReviewOut(Schema):
 
 
 class DecideIn(Schema):
-    decision: str
+    decision: str = Field(..., json_schema_extra=_enum(lambda: Decision.values),
+                          description="; ".join(f"`{v}`: {label}" for v, label in Decision.choices))
     note: str = ""
     result: Any = None
 
@@ -480,22 +596,24 @@ def review_out(item) -> ReviewOut:
         note=item.note, decided_by=item.decided_by.username if item.decided_by else None, decided_at=item.decided_at)
 
 
-@api.get("/reviews", response={200: list[ReviewOut], **ERRORS}, tags=["reviews"])
-def list_reviews(request, status: str = "open", task: int | None = None, tool: str = "", limit: int = 200):
+@api.get("/reviews", response=responses({200: list[ReviewOut]}, PARAMS), tags=["reviews"])
+def list_reviews(request, status: Literal[tuple(ReviewStatus.values) + ("all",)] = "open",
+                 task: int | None = Query(None, ge=1, le=MAX_ID, description="a task id"), tool: str = "",
+                 limit: int = Query(200, ge=1, le=MAX_ID, description="at most 1000 are returned")):
     """Review items, oldest first (open ones by default; `status=decided` or `status=all`)."""
     require(request, roles.VIEWER)
     return [review_out(i) for i in review_selectors.review_list(status=status, task_id=task, tool=tool)[:max(1, min(limit, 1000))]]
 
 
-@api.get("/reviews/{review_id}", response={200: ReviewOut, **ERRORS}, tags=["reviews"])
-def review_detail(request, review_id: int):
+@api.get("/reviews/{review_id}", response=responses({200: ReviewOut}, FOUND), tags=["reviews"])
+def review_detail(request, review_id: int = id_param("a review item id")):
     require(request, roles.VIEWER)
     return review_out(get_review(review_id))
 
 
-@api.post("/reviews/{review_id}/decide", response={200: ReviewOut, 409: ErrorOut, 422: ErrorOut, **ERRORS},
+@api.post("/reviews/{review_id}/decide", response=responses({200: ReviewOut}, FOUND, BODY, {409: ErrorOut}),
           tags=["reviews"])
-def decide_review(request, review_id: int, body: DecideIn):
+def decide_review(request, body: DecideIn, review_id: int = id_param("a review item id")):
     """Decide an open item: `happened` (optionally with `result`), `not_happened`
     (performed again with the same key), `skip`, or `abort_task`; `note` is required."""
     require(request, roles.REVIEWER)

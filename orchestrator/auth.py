@@ -1,6 +1,8 @@
-"""API bearer tokens: `manage.py apitoken USER` prints one; only its SHA-256 is stored."""
+"""API bearer tokens: `manage.py apitoken USER [--expires-in-days N]` prints one; only its
+SHA-256 is stored. A token may expire (`expires_at`); an expired one is refused."""
 import hashlib
 import secrets
+from datetime import timedelta
 
 from django.utils import timezone
 
@@ -9,20 +11,41 @@ from .models import ApiToken
 TOKEN_PREFIX = "orch_"
 
 
+class TokenRejected(Exception):
+    """A bearer token that does not authenticate anyone; the message says why."""
+
+
 def hash_token(raw: str) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
-def token_issue(*, user) -> str:
+def token_issue(*, user, expires_in_days: float | None = None) -> str:
     raw = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    ApiToken.objects.create(user=user, token_hash=hash_token(raw), prefix=raw[:12])
+    expires_at = timezone.now() + timedelta(days=expires_in_days) if expires_in_days is not None else None
+    ApiToken.objects.create(user=user, token_hash=hash_token(raw), prefix=raw[:12], expires_at=expires_at)
     return raw
+
+
+def token_authenticate(raw: str):
+    """The active user a raw token belongs to; TokenRejected says why there is none."""
+    token = ApiToken.objects.select_related("user").filter(token_hash=hash_token(raw)).first()
+    if token is None:
+        raise TokenRejected("Invalid bearer token: it is unknown or was revoked. "
+                            "Create a new one with `manage.py apitoken USERNAME`.")
+    now = timezone.now()
+    if token.is_expired(now):
+        raise TokenRejected(f"Token expired: bearer token {token.prefix}… expired at "
+                            f"{token.expires_at:%Y-%m-%d %H:%M:%S} UTC. Create a new one with "
+                            "`manage.py apitoken USERNAME [--expires-in-days N]`.")
+    if not token.user.is_active:
+        raise TokenRejected("Bearer token of a deactivated user: ask an administrator to reactivate the account.")
+    ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+    return token.user
 
 
 def token_user(raw: str):
     """The active user a raw token belongs to, or None."""
-    token = ApiToken.objects.select_related("user").filter(token_hash=hash_token(raw)).first()
-    if token is None or not token.user.is_active:
+    try:
+        return token_authenticate(raw)
+    except TokenRejected:
         return None
-    ApiToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
-    return token.user

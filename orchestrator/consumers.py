@@ -8,6 +8,8 @@ Protocol (JSON):
 - then `{"type": "event", "seq": n, "kind": ..., "payload": ...}` as they happen, with
   `{"type": "state", ...}` refreshes (throttled) so tables follow along.
 Anonymous users and users without a role are refused; origins are checked in asgi.py.
+A message the server cannot use (not JSON, a `resume_from` that is not a seq) is answered
+with `{"type": "error", "message": ...}`; the connection stays open.
 """
 import asyncio
 import json
@@ -22,6 +24,24 @@ from .engine.events import TASK_LIST_GROUP, task_group
 
 STATE_MIN_INTERVAL = 0.25  # seconds between full state refreshes per connection
 RESUME_WAIT = 0.5  # how long to wait for a `resume_from` message before streaming
+MAX_SEQ = 2**63 - 1  # seqs and ids are signed 64-bit in the database
+
+
+class BadSeq(ValueError):
+    pass
+
+
+def parse_seq(value) -> int:
+    """A `resume_from` value (an int, or its digits in a query string) as a seq."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    elif isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEQ:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "…"
+        raise BadSeq(f"resume_from must be an integer seq between 0 and {MAX_SEQ} (the last event seq you "
+                     f"received), got {shown}")
+    return value
 
 
 class RoleRequiredConsumer(AsyncJsonWebsocketConsumer):
@@ -37,6 +57,24 @@ class RoleRequiredConsumer(AsyncJsonWebsocketConsumer):
     async def start(self):
         raise NotImplementedError
 
+    async def send_error(self, message: str):
+        await self.send_json({"type": "error", "message": message})
+
+    async def receive(self, text_data=None, bytes_data=None, **kwargs):
+        """Decode a JSON message; answer an error (and stay connected) if it is not JSON."""
+        if text_data is None:
+            await self.send_error("Send text frames holding JSON, e.g. {\"resume_from\": 12}.")
+            return
+        try:
+            content = await self.decode_json(text_data)
+        except ValueError:  # json.JSONDecodeError, and numbers too large to parse
+            await self.send_error("Messages must be JSON, e.g. {\"resume_from\": 12}.")
+            return
+        await self.receive_json(content, **kwargs)
+
+    async def receive_json(self, content, **kwargs):
+        await self.send_error("This websocket takes no messages; it only sends the task list's updates.")
+
     @classmethod
     async def encode_json(cls, content):
         return json.dumps(content, default=str)
@@ -45,7 +83,7 @@ class RoleRequiredConsumer(AsyncJsonWebsocketConsumer):
 class TaskConsumer(RoleRequiredConsumer):
     async def start(self):
         self.task_id = int(self.scope["url_route"]["kwargs"]["task_id"])
-        state = await database_sync_to_async(live.task_state)(self.task_id)
+        state = await database_sync_to_async(live.task_state)(self.task_id) if 1 <= self.task_id <= MAX_SEQ else None
         if state is None:
             await self.close(code=4404)
             return
@@ -59,8 +97,15 @@ class TaskConsumer(RoleRequiredConsumer):
         self.last_sent = state["seq"]
         self.streaming = False
         await self.send_json({"type": "state", **state})
+        resume_from = None
         if "resume_from" in query:
-            await self.resume(int(query["resume_from"][0]))
+            try:
+                resume_from = parse_seq(query["resume_from"][0])
+            except BadSeq as exc:
+                # Keep the connection: the client may still send {"resume_from": N}.
+                await self.send_error(f"{exc}; ignored it: send {{\"resume_from\": N}} or reconnect.")
+        if resume_from is not None:
+            await self.resume(resume_from)
         else:
             # Give a client the chance to send {"resume_from": N} before live events flow,
             # so replayed and live events never interleave out of order.
@@ -74,11 +119,15 @@ class TaskConsumer(RoleRequiredConsumer):
             self.start_timer.cancel()
 
     async def receive_json(self, content, **kwargs):
-        if isinstance(content, dict) and "resume_from" in content:
-            try:
-                await self.resume(int(content["resume_from"]))
-            except (TypeError, ValueError):
-                await self.send_json({"type": "error", "message": "resume_from must be an integer seq"})
+        if not isinstance(content, dict) or "resume_from" not in content:
+            await self.send_error('Unknown message: the only message this websocket takes is {"resume_from": N}.')
+            return
+        try:
+            seq = parse_seq(content["resume_from"])
+        except BadSeq as exc:
+            await self.send_error(str(exc))
+            return
+        await self.resume(seq)
 
     async def resume(self, seq: int):
         if getattr(self, "start_timer", None):

@@ -258,9 +258,16 @@ class ApiToken(models.Model):
     prefix = models.CharField(max_length=12)
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
+    # None: the token never expires (until it is deleted in the admin).
+    expires_at = models.DateTimeField(null=True, blank=True)
 
     def __str__(self):
         return f"{self.user} {self.prefix}…"
+
+    def is_expired(self, now=None) -> bool:
+        from django.utils import timezone
+
+        return self.expires_at is not None and self.expires_at <= (now or timezone.now())
 
 
 # --- Tables of the demo workloads ------------------------------------------------------

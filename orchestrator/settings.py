@@ -3,9 +3,11 @@
 The zero-config default is a SQLite file under var/; DATABASE_URL selects PostgreSQL.
 """
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("ORCH_VAR_DIR", BASE_DIR / "var"))
@@ -19,8 +21,18 @@ def env_bool(name: str, default: bool) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
-SECRET_KEY = os.environ.get("SECRET_KEY", "dev-only-insecure-secret-key-change-me-in-production")
+DEV_SECRET_KEY = "dev-only-insecure-secret-key-change-me-in-production"
 DEBUG = env_bool("DEBUG", True)
+SECRET_KEY = os.environ.get("SECRET_KEY", "").strip()
+if not DEBUG and SECRET_KEY in ("", DEV_SECRET_KEY):
+    # The dev key is public (it is in this file): with it anyone can forge sessions and
+    # password-reset links. Refuse to start rather than run a production site with it.
+    raise ImproperlyConfigured(
+        "SECRET_KEY is not set (or is the public development key) and DEBUG=false: refusing to start. "
+        "Set SECRET_KEY to a long random value, the same on every web and worker host, e.g. "
+        "SECRET_KEY=$(python -c 'import secrets; print(secrets.token_urlsafe(50))'); "
+        "or set DEBUG=true for local development.")
+SECRET_KEY = SECRET_KEY or DEV_SECRET_KEY
 ALLOWED_HOSTS = [h.strip() for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",") if h.strip()]
 PORT = int(os.environ.get("PORT", "8000"))
 CSRF_TRUSTED_ORIGINS = [
@@ -37,6 +49,8 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "channels",
     "django_q",
+    "ninja",  # serves the API docs' Swagger UI from its own static files (no CDN)
+    "axes",
     "orchestrator.apps.OrchestratorConfig",
     "review.apps.ReviewConfig",
 ]
@@ -51,6 +65,9 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "csp.middleware.CSPMiddleware",
+    # Last, as django-axes requires: refuses logins for a locked-out username + IP.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "orchestrator.urls"
@@ -93,6 +110,16 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
     # Tests use a file (not :memory:) so that worker processes can open the same
     # database; one per test run, so concurrent runs do not trample each other.
     _db["TEST"] = {"NAME": str(Path(_db["NAME"]).with_name(f"test_{os.getpid()}_" + Path(_db["NAME"]).name))}
+    # The database holds password hashes, sessions and API token hashes: owner-only.
+    # Created here with mode 0600 before SQLite opens it (SQLite gives its -wal and -shm
+    # files the database file's mode).
+    if _db["NAME"] and _db["NAME"] != ":memory:" and not str(_db["NAME"]).startswith("file:"):
+        _path = Path(_db["NAME"])
+        _path.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(_path, os.O_CREAT | os.O_WRONLY, 0o600))
+        for _file in (_path, _path.with_name(_path.name + "-wal"), _path.with_name(_path.name + "-shm")):
+            if _file.exists() and _file.stat().st_uid == os.getuid() and _file.stat().st_mode & 0o077:
+                _file.chmod(0o600)
 DATABASES = {"default": _db}
 IS_SQLITE = _db["ENGINE"] == "django.db.backends.sqlite3"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -138,8 +165,31 @@ EMAIL_PORT = int(os.environ.get("EMAIL_PORT", "1025"))
 EMAIL_TIMEOUT = float(os.environ.get("EMAIL_TIMEOUT", "30"))
 DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "orchestrator@localhost")
 
+# --- Request limits -------------------------------------------------------------------
+# The largest request body accepted (bytes); a bigger API request gets 413 with a JSON
+# message saying the limit. Django's own limit for form and JSON bodies follows it.
+ORCH_MAX_REQUEST_BYTES = int(os.environ.get("ORCH_MAX_REQUEST_BYTES", str(2_621_440)))  # 2.5 MiB
+DATA_UPLOAD_MAX_MEMORY_SIZE = ORCH_MAX_REQUEST_BYTES
+
 # --- Auth, i18n, static ---------------------------------------------------------------
-AUTH_PASSWORD_VALIDATORS = []
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+# Login throttling (django-axes): after ORCH_LOGIN_FAILURE_LIMIT wrong passwords for one
+# username from one IP address, that username is refused from that address (even with the
+# right password) for ORCH_LOGIN_COOLOFF_MINUTES. Applies to /accounts/login/ and the admin.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",  # first: it refuses locked-out attempts
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = int(os.environ.get("ORCH_LOGIN_FAILURE_LIMIT", "5"))
+AXES_COOLOFF_TIME = timedelta(minutes=float(os.environ.get("ORCH_LOGIN_COOLOFF_MINUTES", "15")))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/accounts/login/"
@@ -153,6 +203,25 @@ STATIC_ROOT = VAR_DIR / "staticfiles"
 STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 # Serve straight from the app and project static dirs: `make run` needs no collectstatic.
 WHITENOISE_USE_FINDERS = True
+
+# --- Content-Security-Policy (django-csp) ----------------------------------------------
+# Pages load scripts, styles, images and fonts from this origin only; no inline script or
+# style (templates and static/ have none), no plugins, no framing. connect-src 'self'
+# covers the dashboard's websockets (ws:/wss: to the same host and port, CSP level 3).
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": ["'self'"],
+        "script-src": ["'self'"],
+        "style-src": ["'self'"],
+        "img-src": ["'self'", "data:"],
+        "font-src": ["'self'"],
+        "connect-src": ["'self'"],
+        "object-src": ["'none'"],
+        "base-uri": ["'self'"],
+        "form-action": ["'self'"],
+        "frame-ancestors": ["'none'"],
+    },
+}
 
 LOGGING = {
     "version": 1,

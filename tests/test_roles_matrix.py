@@ -11,11 +11,12 @@ import pytest
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.test import Client
+from django.conf import settings
 from django.urls import URLPattern, URLResolver, get_resolver
 
 from orchestrator.auth import token_issue
 from orchestrator.engine import services
-from orchestrator.models import AuditEntry, Snapshot, Task, WalEntry
+from orchestrator.models import AuditEntry, Snapshot, Step, Task, WalEntry
 from review.models import ReviewItem
 from review.services import review_open
 
@@ -46,6 +47,7 @@ API_MATRIX = {
     ("post", "/api/tasks/{task_id}/terminate"): (CONTROL, "task.terminate"),
     ("post", "/api/tasks/{task_id}/resume"): (CONTROL, "task.resume"),
     ("post", "/api/tasks/{task_id}/rollback"): (CONTROL, "task.rollback"),
+    ("post", "/api/tasks/{task_id}/skip-step"): (CONTROL, "task.skip_step"),
     ("get", "/api/tasks/{task_id}/wal"): (READ, None),
     ("get", "/api/tasks/{task_id}/snapshots"): (READ, None),
     ("get", "/api/tasks/{task_id}/events"): (READ, None),
@@ -74,6 +76,7 @@ PAGE_MATRIX = {
     ("POST", "tasks/<int:task_id>/clone/", "clone"): (CREATE, "task.create"),
     ("GET", "tasks/<int:task_id>/rollback/<int:version>/", None): (CONTROL, None),
     ("POST", "tasks/<int:task_id>/rollback/<int:version>/", "rollback"): (CONTROL, "task.rollback"),
+    ("POST", "tasks/<int:task_id>/skip-step/", "skip"): (CONTROL, "task.skip_step"),
     ("GET", "review/", None): (READ, None),
     ("GET", "review/<int:review_id>/", None): (READ, None),  # reviewers also get the decision form
     ("POST", "review/<int:review_id>/", "decide"): (REVIEW, "review.decide"),
@@ -111,6 +114,16 @@ def new_task(*, paused: bool = False) -> Task:
         Task.objects.filter(pk=task.pk).update(checkpoint_version=1)
         Snapshot.objects.create(task=task, version=1, state={"params": task.params, "steps": {}})
     return Task.objects.get(pk=task.pk)
+
+
+def needing_a_human(task: Task) -> Task:
+    """`task` as a step failure leaves it: needs_human, its first step failed."""
+    Step.objects.create(task=task, step_id="stage-01", position=0, status="failed", error="ValueError: bad")
+    Task.objects.filter(pk=task.pk).update(status="needs_human")
+    return Task.objects.get(pk=task.pk)
+
+
+SKIP_STEP = {"step_id": "stage-01", "reason": "roles matrix"}
 
 
 def new_review(task: Task) -> ReviewItem:
@@ -180,6 +193,8 @@ def test_api_matrix(client, make_user, method, path, identity, auth):
     kind, action = API_MATRIX[(method, path)]
     user = make_identity(make_user, identity)
     task = new_task(paused=action in ("task.resume", "task.rollback"))
+    if action == "task.skip_step":
+        task = needing_a_human(task)
     review = new_review(task) if "{review_id}" in path else None
     headers = {}
     if auth == "session":
@@ -199,6 +214,8 @@ def test_api_matrix(client, make_user, method, path, identity, auth):
             kind, {"reason": "roles matrix"})
         if path.endswith("/rollback"):
             body = {"version": 1}
+        elif path.endswith("/skip-step"):
+            body = SKIP_STEP
         response = client.post(url, body, content_type="application/json", **headers)
 
     expected = expected_api_statuses(identity, kind)
@@ -264,6 +281,8 @@ def test_page_matrix(client, make_user, method, route, data, identity):
     kind, action = PAGE_MATRIX[(method, route, data)]
     user = make_identity(make_user, identity)
     task = new_task(paused=data == "resume" or any(part in "/" + route for part in NEEDS_PAUSED))
+    if data == "skip":
+        task = needing_a_human(task)
     review = new_review(task) if route.startswith("review/") else None
     if user is not None:
         client.force_login(user)
@@ -289,6 +308,8 @@ def test_page_matrix(client, make_user, method, route, data, identity):
         response = client.post(url, {"params": json.dumps(task.params), "limits": "{}"})
     elif data == "rollback":
         response = client.post(url, {"expected_version": task.event_seq})
+    elif data == "skip":
+        response = client.post(url, SKIP_STEP)
     else:
         response = client.post(url, {"action": data, "reason": "roles matrix"})
 
@@ -325,7 +346,8 @@ def test_page_matrix(client, make_user, method, route, data, identity):
 
 # --- the websockets ---------------------------------------------------------------------------
 
-ORIGIN = [(b"origin", b"http://localhost")]
+# A page of this site: the origin the browser sends, port included (see orchestrator/origins.py).
+ORIGIN = [(b"origin", f"http://localhost:{settings.PORT}".encode())]
 
 
 def session_headers(user) -> list:

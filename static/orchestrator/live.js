@@ -59,7 +59,9 @@
   }
 
   function show(node, visible) {
-    if (node) node.style.display = visible ? "" : "none";
+    if (!node) return;
+    node.hidden = !visible;
+    node.style.display = visible ? "" : "none";
   }
 
   function replaceClass(node, prefix, value) {
@@ -114,6 +116,7 @@
     var bar = qs(".progress-bar", progress);
     if (bar) {
       if (bar.style.width !== percent + "%") bar.style.width = percent + "%";
+      bar.setAttribute("data-percent", percent);
       if (status) replaceClass(bar, "status-bg-", status);
     }
     setText(qs(".progress-label", progress), done + "/" + total + " · " + percent + "%");

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
+from django.conf import settings
 
 from orchestrator.asgi import application
 from orchestrator.engine import services
@@ -13,7 +14,8 @@ from orchestrator.engine.states import lock_task
 from orchestrator.models import Task
 
 pytestmark = pytest.mark.django_db(transaction=True)
-ORIGIN = [(b"origin", b"http://localhost")]
+# A page of this site: the origin the browser sends, port included (see orchestrator/origins.py).
+ORIGIN = [(b"origin", f"http://localhost:{settings.PORT}".encode())]
 
 
 def session_headers(user) -> list:

@@ -68,9 +68,19 @@ class Command(BaseCommand):
         password = os.environ.get("ADMIN_PASSWORD") or secrets.token_urlsafe(9)
         User.objects.create_superuser("admin", "admin@localhost", password)
         credentials = settings.VAR_DIR / "admin-credentials.txt"
-        credentials.write_text(f"username: admin\npassword: {password}\n")
+        write_private(credentials, f"username: admin\npassword: {password}\n")
         self.stdout.write(self.style.WARNING(
             f"Created the first user: admin / {password}  (also saved in {credentials})"))
+
+
+def write_private(path, text: str) -> None:
+    """Write `text` to a file only its owner can read (0600, also when it already existed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def signal_group(proc: subprocess.Popen, signum: int) -> None:

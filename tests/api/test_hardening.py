@@ -1,0 +1,185 @@
+"""Bad input against the API and the admin: oversized bodies, out-of-range integers,
+unreadable JSON, bad or expired bearer tokens, session POSTs without CSRF."""
+import json
+from datetime import timedelta
+
+import pytest
+from django.conf import settings
+from django.contrib import admin
+from django.core.management import call_command
+from django.test import Client
+from django.utils import timezone
+
+from orchestrator.auth import hash_token, token_issue
+from orchestrator.engine import services
+from orchestrator.models import ApiToken, Task
+
+pytestmark = pytest.mark.django_db
+
+BIG = "99999999999999999999"  # > 2**64
+
+
+@pytest.fixture
+def operator(make_user):
+    return make_user("olga", "operator", "viewer", "reviewer")
+
+
+def bearer(user, **kwargs) -> dict:
+    return {"HTTP_AUTHORIZATION": f"Bearer {token_issue(user=user, **kwargs)}"}
+
+
+# --- 1. request size ------------------------------------------------------------------------
+
+def test_a_body_over_the_limit_gets_413_with_a_json_message_saying_the_limit(client, operator):
+    client.raise_request_exception = False
+    body = json.dumps({"type": "demo.migrate_rows", "params": {"pad": "x" * (settings.ORCH_MAX_REQUEST_BYTES + 10)}})
+    response = client.post("/api/tasks", body, content_type="application/json", **bearer(operator))
+    assert response.status_code == 413, response.content[:300]
+    detail = response.json()["detail"]
+    assert str(settings.ORCH_MAX_REQUEST_BYTES) in detail and "ORCH_MAX_REQUEST_BYTES" in detail
+    assert not Task.objects.exists()
+
+
+def test_the_request_limit_setting_drives_django_s_upload_limit():
+    assert settings.DATA_UPLOAD_MAX_MEMORY_SIZE == settings.ORCH_MAX_REQUEST_BYTES == 2_621_440
+
+
+def test_unreadable_json_gets_400_saying_so(client, operator):
+    response = client.post("/api/tasks", "{not json", content_type="application/json", **bearer(operator))
+    assert response.status_code == 400
+    assert "valid JSON" in response.json()["detail"]
+
+
+# --- 2. out-of-range integers -------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", [
+    f"/api/reviews?task={BIG}",
+    f"/api/tasks?before={BIG}",
+    f"/api/tasks/{BIG}",
+    f"/api/tasks/{BIG}/wal",
+    f"/api/tasks/1/events?after={BIG}",
+    f"/api/reviews/{BIG}",
+    "/api/reviews?task=0",
+    "/api/reviews?status=bogus",
+])
+def test_out_of_range_integers_in_queries_and_paths_get_422(client, operator, path):
+    client.raise_request_exception = False
+    response = client.get(path, **bearer(operator))
+    assert response.status_code == 422, (path, response.status_code, response.content[:300])
+    assert response.json()["detail"].startswith("Invalid input")
+
+
+def test_an_out_of_range_id_in_a_post_path_gets_422(client, operator):
+    client.raise_request_exception = False
+    response = client.post(f"/api/tasks/{BIG}/pause", {}, content_type="application/json", **bearer(operator))
+    assert response.status_code == 422
+
+
+def task_filtered_admin_lists():
+    """Every admin changelist that takes `?task__id__exact=` (the links from a task)."""
+    from orchestrator.admin import TaskFilter
+
+    return sorted(f"/admin/{m._meta.app_label}/{m._meta.model_name}/" for m, ma in admin.site._registry.items()
+                  if TaskFilter in ma.list_filter)
+
+
+def test_the_task_filter_is_on_the_task_record_lists():
+    assert {"/admin/orchestrator/step/", "/admin/orchestrator/walentry/", "/admin/review/reviewitem/",
+            "/admin/orchestrator/auditentry/"} <= set(task_filtered_admin_lists())
+
+
+@pytest.mark.parametrize("query", [f"task__id__exact={BIG}", f"created_at__year={BIG}", f"at__year={BIG}",
+                                   f"detected_at__year={BIG}", f"started_at__year={BIG}"])
+def test_admin_lists_answer_out_of_range_filters_without_a_500(client, make_user, query):
+    """SQLite raises OverflowError, PostgreSQL DataError: both become the admin's `?e=1`."""
+    client.force_login(make_user("root", superuser=True))
+    client.raise_request_exception = False
+    services.task_create(type="demo.pipeline", params={})
+    for base in task_filtered_admin_lists() + ["/admin/orchestrator/task/", "/admin/orchestrator/apitoken/"]:
+        response = client.get(base + "?" + query)
+        assert response.status_code in (200, 302), (base, query, response.status_code)
+        if response.status_code == 302:
+            assert response["Location"].endswith("?e=1")
+    # The session and the database connection still work afterwards.
+    assert client.get("/admin/orchestrator/step/").status_code == 200
+
+
+# --- 6. authentication errors ---------------------------------------------------------------------
+
+def test_a_wrong_bearer_token_on_a_post_gets_401_not_a_csrf_403(operator):
+    client = Client(enforce_csrf_checks=True)
+    response = client.post("/api/tasks", {"type": "demo.pipeline"}, content_type="application/json",
+                           HTTP_AUTHORIZATION="Bearer orch_wrong")
+    assert response.status_code == 401
+    assert "Invalid bearer token" in response.json()["detail"]
+    assert response["WWW-Authenticate"].startswith("Bearer")
+
+
+def test_no_credentials_on_a_post_gets_401_saying_how_to_authenticate():
+    client = Client(enforce_csrf_checks=True)
+    response = client.post("/api/tasks", {"type": "demo.pipeline"}, content_type="application/json")
+    assert response.status_code == 401
+    assert "Authorization: Bearer" in response.json()["detail"]
+
+
+def test_a_good_bearer_token_needs_no_csrf(operator):
+    client = Client(enforce_csrf_checks=True)
+    response = client.post("/api/tasks", {"type": "demo.pipeline"}, content_type="application/json",
+                           **bearer(operator))
+    assert response.status_code == 201
+
+
+def test_session_posts_still_need_the_csrf_token(operator):
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(operator)
+    response = client.post("/api/tasks", {"type": "demo.pipeline"}, content_type="application/json")
+    assert response.status_code == 403
+    assert "CSRF" in response.json()["detail"]
+    assert not Task.objects.exists()
+    client.get("/")  # sets the csrftoken cookie
+    token = client.cookies["csrftoken"].value
+    response = client.post("/api/tasks", {"type": "demo.pipeline"}, content_type="application/json",
+                           HTTP_X_CSRFTOKEN=token)
+    assert response.status_code == 201
+    assert client.get("/api/tasks").status_code == 200  # session GETs need no token
+
+
+# --- 10. token expiry -----------------------------------------------------------------------------
+
+def test_an_expired_token_gets_401_token_expired(client, operator):
+    raw = token_issue(user=operator, expires_in_days=1)
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {raw}"}
+    assert client.get("/api/tasks", **headers).status_code == 200
+    ApiToken.objects.filter(token_hash=hash_token(raw)).update(expires_at=timezone.now() - timedelta(seconds=1))
+    response = client.get("/api/tasks", **headers)
+    assert response.status_code == 401
+    assert "token expired" in response.json()["detail"].lower()
+
+
+def test_a_token_without_expiry_keeps_working(client, operator):
+    raw = token_issue(user=operator)
+    assert ApiToken.objects.get(token_hash=hash_token(raw)).expires_at is None
+    assert client.get("/api/tasks", HTTP_AUTHORIZATION=f"Bearer {raw}").status_code == 200
+
+
+def test_apitoken_command_takes_expires_in_days(operator, capsys):
+    call_command("apitoken", operator.username, "--expires-in-days", "7")
+    raw = capsys.readouterr().out.strip().splitlines()[-1]
+    token = ApiToken.objects.get(token_hash=hash_token(raw))
+    assert timedelta(days=6, hours=23) < token.expires_at - timezone.now() <= timedelta(days=7)
+
+
+def test_apitoken_command_refuses_a_non_positive_expiry(operator):
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="positive"):
+        call_command("apitoken", operator.username, "--expires-in-days", "0")
+
+
+def test_the_admin_shows_token_expiry(client, make_user, operator):
+    client.force_login(make_user("root", superuser=True))
+    token_issue(user=operator, expires_in_days=3)
+    body = client.get("/admin/orchestrator/apitoken/").content.decode()
+    assert "expires" in body.lower()
+    token = ApiToken.objects.get()
+    assert "Expires at" in client.get(f"/admin/orchestrator/apitoken/{token.pk}/change/").content.decode()
