@@ -35,6 +35,10 @@ class HarnessSettings:
         return settings.ORCH_RECOVERY_TIMEOUT_SECONDS
 
     @property
+    def database_retry_seconds(self) -> float:
+        return settings.ORCH_DATABASE_RETRY_SECONDS
+
+    @property
     def slice_seconds(self) -> float:
         return settings.ORCH_SLICE_SECONDS
 

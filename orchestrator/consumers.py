@@ -21,6 +21,9 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from . import live, roles
 from .engine.events import TASK_LIST_GROUP, task_group
+from .outage import DATABASE_DOWN
+
+OUTAGE_CLOSE_CODE = 4503  # the database is unreachable: reconnect later
 
 STATE_MIN_INTERVAL = 0.25  # seconds between full state refreshes per connection
 RESUME_WAIT = 0.5  # how long to wait for a `resume_from` message before streaming
@@ -46,13 +49,33 @@ def parse_seq(value) -> int:
 
 class RoleRequiredConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self):
-        user = self.scope.get("user")
-        allowed = await database_sync_to_async(roles.has_role)(user, roles.VIEWER) if user else False
-        if not allowed:
-            await self.close(code=4403)  # before accept: the handshake is refused (HTTP 403)
-            return
-        live.tailer.ensure_running()
-        await self.start()
+        try:
+            user = self.scope.get("user")
+            allowed = await database_sync_to_async(roles.has_role)(user, roles.VIEWER) if user else False
+            if not allowed:
+                await self.close(code=4403)  # before accept: the handshake is refused (HTTP 403)
+                return
+            live.tailer.ensure_running()
+            await self.channel_layer.group_add(live.SITE_GROUP, self.channel_name)
+            await self.start()
+        except DATABASE_DOWN:
+            # Say so, then close: the page shows the banner and reconnects (with its last
+            # seq) until the database is back.
+            await self.accept()
+            await self.send_json({"type": "outage", "database": "unreachable"})
+            await self.close(code=OUTAGE_CLOSE_CODE)
+
+    async def database_status(self, message):
+        await self.send_json({"type": "outage", "database": "reachable" if message["reachable"] else "unreachable"})
+        if message["reachable"]:
+            await self.caught_up()
+
+    async def caught_up(self):
+        """After an outage: send what changed meanwhile."""
+
+    async def websocket_disconnect(self, message):
+        await self.channel_layer.group_discard(live.SITE_GROUP, self.channel_name)
+        await super().websocket_disconnect(message)
 
     async def start(self):
         raise NotImplementedError
@@ -181,6 +204,11 @@ class TaskConsumer(RoleRequiredConsumer):
     async def task_changed(self, message):
         if message["seq"] > self.last_sent:
             await self.flush()
+
+    async def caught_up(self):
+        if getattr(self, "streaming", False):
+            await self.flush()
+            await self.send_state()
 
 
 class TaskListConsumer(RoleRequiredConsumer):

@@ -21,12 +21,22 @@ from django.utils import timezone
 
 from .engine.events import TASK_LIST_GROUP, task_group
 from .models import Step, Task, TaskEvent, WalEntry
+from .outage import DATABASE_DOWN, OutageWatch
+
+try:
+    from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+    CHANNEL_LAYER_DOWN = (OSError, RedisConnectionError, RedisTimeoutError)
+except ImportError:  # pragma: no cover - redis is a dependency; the in-memory layer never fails this way
+    CHANNEL_LAYER_DOWN = (OSError,)
 
 log = logging.getLogger(__name__)
 
 # A commit is stamped (updated_at) before it becomes visible; look back this far so a
 # slow commit is not missed. Repeats are harmless: hints are compared by seq.
 LOOKBACK = timedelta(seconds=5)
+# Every live page's socket is in this group: the tailer tells them when the database is
+# unreachable and when it is back (the banner).
+SITE_GROUP = "orchestrator.site"
 MAX_REPLAY = 5000  # a client further behind than this is told to reload
 STEPS_SENT = 2000  # as many as the task page shows
 
@@ -102,6 +112,11 @@ class EventTailer:
     def __init__(self):
         self.known: dict[int, int] = {}
         self.task: asyncio.Task | None = None
+        self.database = OutageWatch(log, "live tailer")
+        self.channel_layer = OutageWatch(log, "live tailer", service="the channel layer (Redis)")
+
+    async def announce(self, reachable: bool) -> None:
+        await get_channel_layer().group_send(SITE_GROUP, {"type": "database.status", "reachable": reachable})
 
     def ensure_running(self) -> None:
         loop = asyncio.get_running_loop()
@@ -113,13 +128,26 @@ class EventTailer:
         layer = get_channel_layer()
         # Tasks already changed before we started are not news.
         since = timezone.now() - LOOKBACK
-        for row in await database_sync_to_async(changed_tasks)(since):
-            self.known[row["id"]] = row["event_seq"]
+        try:
+            for row in await database_sync_to_async(changed_tasks)(since):
+                self.known[row["id"]] = row["event_seq"]
+        except DATABASE_DOWN as exc:
+            self.database.failed(exc)
+            await self.announce(False)
         while True:
             await asyncio.sleep(poll_interval())
             try:
                 poll_started = timezone.now()
-                rows = await database_sync_to_async(changed_tasks)(since)
+                try:
+                    rows = await database_sync_to_async(changed_tasks)(since)
+                except DATABASE_DOWN as exc:
+                    if not self.database.down:
+                        await self.announce(False)
+                    self.database.failed(exc)
+                    continue
+                if self.database.down:
+                    self.database.succeeded()
+                    await self.announce(True)
                 since = poll_started - LOOKBACK
                 for row in rows:
                     if row["event_seq"] > self.known.get(row["id"], -1):
@@ -131,8 +159,11 @@ class EventTailer:
                         await layer.group_send(TASK_LIST_GROUP, message)
                 if len(self.known) > 10_000:
                     self.known = {k: v for k, v in self.known.items() if k in {r["id"] for r in rows}}
+                self.channel_layer.succeeded()
             except asyncio.CancelledError:
                 raise
+            except CHANNEL_LAYER_DOWN as exc:  # hints are lost meanwhile; pages catch up by seq
+                self.channel_layer.failed(exc)
             except Exception:  # the database may blip; the next poll catches up
                 log.warning("live tailer poll failed", exc_info=True)
 

@@ -65,6 +65,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # An unreachable database is a 503 page, not a 500 (process_exception).
+    "orchestrator.outage.DatabaseOutageMiddleware",
     "csp.middleware.CSPMiddleware",
     # Last, as django-axes requires: refuses logins for a locked-out username + IP.
     "axes.middleware.AxesMiddleware",
@@ -250,6 +252,9 @@ ORCH_SLICE_SECONDS = float(os.environ.get("ORCH_SLICE_SECONDS", "60"))
 # A queued task nobody claimed for this long is handed to the broker again (its message
 # may be lost: a Redis restart, a crash between commit and send).
 ORCH_REQUEUE_AFTER_SECONDS = float(os.environ.get("ORCH_REQUEUE_AFTER_SECONDS", "30"))
+# How long a finished step waits for an unreachable database to commit its checkpoint
+# (instead of dying and having a recovery redo the step).
+ORCH_DATABASE_RETRY_SECONDS = float(os.environ.get("ORCH_DATABASE_RETRY_SECONDS", "120"))
 # A recovery that has not got the task running again after this long hands it to a human.
 ORCH_RECOVERY_TIMEOUT_SECONDS = float(os.environ.get("ORCH_RECOVERY_TIMEOUT_SECONDS", "300"))
 # Limits every task gets unless its creator overrides them.

@@ -92,7 +92,8 @@ class ManagedProcess:
         os.killpg(self.proc.pid, signal.SIGCONT)
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()
 
     def stop(self) -> None:
@@ -156,6 +157,27 @@ def start_sweeper(transactional_db, tmp_path):
     yield start
     for sweeper in sweepers:
         sweeper.stop()
+
+
+@pytest.fixture
+def start_web(transactional_db, tmp_path):
+    """Start a real web server (daphne through `runserver`, so websockets work): start_web(**env)
+    returns (process, port)."""
+    servers = []
+
+    def start(**env_overrides):
+        from tests.support.services import wait_port
+
+        port = free_port()
+        server = ManagedProcess(process_env(PORT=port, ORCH_LIVE_POLL_SECONDS=0.2, **env_overrides),
+                                tmp_path / f"web-{len(servers)}.log", "runserver", f"127.0.0.1:{port}", "--noreload")
+        servers.append(server)
+        wait_port(port, open_=True, timeout=30)
+        return server, port
+
+    yield start
+    for server in servers:
+        server.stop()
 
 
 @pytest.fixture

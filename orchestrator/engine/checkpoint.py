@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from .. import telemetry
 from ..conf import harness
+from ..outage import retry_while_down
 from ..models import Snapshot, Step, StepStatus, Task, TaskStatus
 from . import wal
 from .events import create_event
@@ -86,11 +87,22 @@ def commit_step(*, lease: Lease, plan: PlanState, step_id: str, result: Any, rea
     fault_point("before_checkpoint", step_id)
     now = timezone.now()
     previous_status = plan.status[step_id]
+
+    def undo():  # the transaction rolled back: so does the plan
+        plan.status[step_id] = previous_status
+
     try:
-        return _commit_step(lease=lease, plan=plan, step_id=step_id, result=result, reads=reads, effects=effects,
-                            started_at=started_at, tokens_used=tokens_used, active_seconds=active_seconds, now=now)
+        # The step's work (and its effects) happened: keep it until the database is back rather
+        # than die and make a recovery redo it. The commit is fenced: if a worker took the task
+        # over meanwhile, it fails with LeaseLost.
+        return retry_while_down(
+            lambda: _commit_step(lease=lease, plan=plan, step_id=step_id, result=result, reads=reads,
+                                 effects=effects, started_at=started_at, tokens_used=tokens_used,
+                                 active_seconds=active_seconds, now=now),
+            seconds=harness.database_retry_seconds, logger=log, what="checkpoint", on_failure=undo,
+            extra={"task_id": lease.task_id, "step_id": step_id})
     except BaseException:
-        plan.status[step_id] = previous_status  # the transaction rolled back: so does the plan
+        undo()
         raise
 
 
@@ -125,6 +137,14 @@ def commit_step_failure(*, lease: Lease, plan: PlanState, step_id: str, error: s
                         effects: list[wal.CompletedEffect], started_at: datetime, reads: list[str],
                         fingerprint: str = "") -> None:
     """Record a failed attempt (and the effects that did happen before the failure)."""
+    retry_while_down(lambda: _commit_step_failure(lease=lease, plan=plan, step_id=step_id, error=error,
+                                                  retrying=retrying, effects=effects, started_at=started_at,
+                                                  reads=reads, fingerprint=fingerprint),
+                     seconds=harness.database_retry_seconds, logger=log, what="step failure record",
+                     extra={"task_id": lease.task_id, "step_id": step_id})
+
+
+def _commit_step_failure(*, lease, plan, step_id, error, retrying, effects, started_at, reads, fingerprint) -> None:
     now = timezone.now()
     attempts = plan.attempts.get(step_id, 0) + 1
     with transaction.atomic():

@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from .. import telemetry
 from ..conf import harness
+from ..outage import DATABASE_DOWN, OutageWatch
 from ..models import Task, TaskStatus as S
 from . import processes, states
 from .lease import Lease, LeaseLost, lock_fenced
@@ -58,6 +59,7 @@ class Watchdog:
     def __init__(self, lease: Lease, pid: int):
         self.lease, self.pid = lease, pid
         self.extra = {"task_id": lease.task_id, "lease_epoch": lease.epoch, "worker": f"{lease.host}:{pid}"}
+        self.database = OutageWatch(log, f"watchdog of task {lease.task_id}")
 
     def watch(self) -> str:
         # A worker being shut down (Ctrl-C, a deploy's SIGTERM) must not leave its executor
@@ -97,9 +99,15 @@ class Watchdog:
             time.sleep(WATCH_INTERVAL)
 
     def check_control(self) -> str:
-        with telemetry.quiet():  # polled ten times a second, inside the drive span: no SQL spans
-            row = (Task.objects.filter(pk=self.lease.task_id)
-                   .values("control", "control_requested_at", "lease_epoch", "status").first())
+        try:
+            with telemetry.quiet():  # polled ten times a second, inside the drive span: no SQL spans
+                row = (Task.objects.filter(pk=self.lease.task_id)
+                       .values("control", "control_requested_at", "lease_epoch", "status").first())
+        except DATABASE_DOWN as exc:
+            # The executor goes on (its commits wait for the database); keep watching it.
+            self.database.failed(exc, **self.extra)
+            return ""
+        self.database.succeeded(**self.extra)
         if row is None or row["lease_epoch"] != self.lease.epoch:
             # Another worker owns the task: our executor must not run on.
             self.kill_all()
@@ -138,9 +146,22 @@ class Watchdog:
         from .recovery import recover_task
 
         with telemetry.capture_context(self.lease.task_id) as outcome:  # what recovery decided, for this line
-            recover_task(self.lease.task_id, dead_lease=self.lease, cause="its worker was shut down", count_attempt=False)
+            if not self.recover(recover_task, cause="its worker was shut down", count_attempt=False):
+                return "handed back to the sweeper"
         log.info("worker shutting down: task handed back", extra={**outcome, **self.extra})
         return "handed back"
+
+    def recover(self, recover_task, **kwargs) -> bool:
+        """Hand the task to recovery now; with the database down, leave it to the sweeper
+        (its heartbeat goes stale, and the sweeper recovers it once the database is back)."""
+        try:
+            recover_task(self.lease.task_id, dead_lease=self.lease, **kwargs)
+        except DATABASE_DOWN as exc:
+            log.warning("could not hand the task to recovery: database unreachable (%s); the sweeper will recover "
+                        "it when the database is back", type(exc).__name__,
+                        extra={**self.extra, "resume_strategy": "left_to_sweeper"})
+            return False
+        return True
 
     def after_exit(self, status: int) -> str:
         leftovers = processes.kill_tree(os.getpid(), include_root=False)
@@ -155,6 +176,7 @@ class Watchdog:
         from .recovery import recover_task
 
         with telemetry.capture_context(self.lease.task_id) as outcome:  # what recovery decided, for this line
-            recover_task(self.lease.task_id, dead_lease=self.lease, cause=f"executor pid {self.pid} died ({how})")
+            if not self.recover(recover_task, cause=f"executor pid {self.pid} died ({how})"):
+                return "executor died"
         log.info("executor died: task handed to recovery", extra={**outcome, **self.extra})
         return "executor died"

@@ -24,6 +24,7 @@ from django.utils import timezone
 
 from .. import telemetry
 from ..conf import harness
+from ..outage import DATABASE_DOWN, OutageWatch
 from ..models import IdempotencyRecord, Task, TaskStatus as S, WalEntry, WalStatus
 from . import scheduler, states
 from .events import append_event
@@ -213,9 +214,22 @@ def resources_problem(task: Task) -> str:
 
 def sweep_loop(interval: float | None = None) -> None:
     interval = interval or max(0.5, harness.heartbeat_seconds)
+    database = OutageWatch(log, "sweeper")
+    recover_after = 0.0
     while True:
         try:
-            sweep()
+            if time.monotonic() >= recover_after:
+                sweep()
+            else:
+                requeue_unclaimed()
+        except DATABASE_DOWN as exc:
+            database.failed(exc)
         except Exception:
             log.exception("sweep failed; trying again")
+        else:
+            if database.down:
+                # Nobody could heartbeat during the outage: give live workers one stale period
+                # to beat again before their tasks count as abandoned.
+                recover_after = time.monotonic() + harness.stale_after_seconds
+            database.succeeded()
         time.sleep(interval)

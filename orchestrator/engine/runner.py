@@ -24,6 +24,7 @@ from django.utils import timezone
 
 from .. import telemetry
 from ..conf import harness
+from ..outage import DATABASE_DOWN, OutageWatch, retry_while_down
 from ..models import StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
 from . import checkpoint, lease as leases, scheduler, states
@@ -85,6 +86,7 @@ class Supervisor(threading.Thread):
 
     def run(self) -> None:
         lease = self.runner.lease
+        database = OutageWatch(log, f"supervisor of task {lease.task_id}")
         next_beat = time.monotonic() + harness.heartbeat_seconds
         try:
             while not self._stopped.wait(harness.control_poll_seconds):
@@ -108,8 +110,12 @@ class Supervisor(threading.Thread):
                 except LeaseLost:
                     self.runner.lose_lease()
                     return
-                except DatabaseError:  # a passing database error must not kill the heartbeat
+                except DATABASE_DOWN as exc:  # an outage must not kill the heartbeat: keep trying
+                    database.failed(exc, task_id=lease.task_id)
+                except DatabaseError:
                     log.warning("supervisor: database error", exc_info=True, extra={"task_id": lease.task_id})
+                else:
+                    database.succeeded(task_id=lease.task_id)
         finally:
             connection.close()
 
@@ -409,12 +415,18 @@ class Runner:
         if self.lease_lost:
             log.warning("lease lost: this worker stops without writing", extra=extra)
             return "lease lost"
-        try:
+        active_seconds = self.take_active_seconds()
+
+        def write_outcome():
             with transaction.atomic():
                 task = leases.lock_fenced(self.lease)
-                task.active_seconds += self.take_active_seconds()
+                task.active_seconds += active_seconds
                 task.tokens_used = self.base_tokens + self.tokens_this_run()
-                outcome = self.decide(task)
+                return task, self.decide(task)
+
+        try:
+            task, outcome = retry_while_down(write_outcome, seconds=harness.database_retry_seconds, logger=log,
+                                             what="the run's outcome", extra=extra)
         except LeaseLost:
             log.warning("lease lost before the task's outcome was written", extra=extra)
             return "lease lost"

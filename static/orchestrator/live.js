@@ -141,6 +141,13 @@
     });
   }
 
+  // The server says the database is unreachable (or back): a banner, so nobody mistakes a
+  // frozen page for a quiet one.
+  function showOutage(down) {
+    var banner = qs(tid("outage-banner"));
+    if (banner) show(banner, down);
+  }
+
   LiveSocket.prototype.setIndicator = function (state, text) {
     var node = this.indicator;
     if (!node) return;
@@ -172,10 +179,15 @@
         window.location.reload();
         return;
       }
+      if (data && data.type === "outage") {
+        showOutage(data.database === "unreachable");
+        return;
+      }
       try { self.onMessage(data); } catch (err) { if (window.console) console.error("live update failed", err); }
     };
-    socket.onclose = function () {
+    socket.onclose = function (event) {
       if (self.socket === socket) self.socket = null;
+      if (event && event.code === 4503) showOutage(true);  // refused: the database is unreachable
       self.retry();
     };
   };

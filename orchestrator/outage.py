@@ -1,0 +1,103 @@
+"""Living through a database outage in the long-running loops (sweeper, supervisor,
+watchdog, live tailer): one log line when the database goes away and one when it is back
+(no traceback per poll), and the broken connection closed so the next use reconnects.
+
+Django only health-checks persistent connections at the start of a request; a loop that
+never ends a request must do it itself, or it keeps a dead connection forever."""
+import logging
+import time
+
+from django.db import InterfaceError, OperationalError, connection
+
+# What a lost or refused database connection raises (not a constraint violation or a bug).
+DATABASE_DOWN = (OperationalError, InterfaceError)
+
+
+class OutageWatch:
+    def __init__(self, logger: logging.Logger, where: str, service: str = "database"):
+        self.log, self.where, self.service = logger, where, service
+        self.down_since: float | None = None
+        self.failures = 0
+
+    @property
+    def down(self) -> bool:
+        return self.down_since is not None
+
+    def failed(self, exc: BaseException, **extra) -> None:
+        """A poll failed because the database is unreachable: say so once, then keep quiet."""
+        self.failures += 1
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            self.log.warning("%s: %s unreachable (%s: %s); retrying until it is back", self.where, self.service,
+                             type(exc).__name__, str(exc).strip().splitlines()[0][:300] if str(exc) else "",
+                             extra={**extra, "outage": self.service})
+        if self.service == "database":
+            reset_connection()
+
+    def succeeded(self, **extra) -> None:
+        if self.down_since is not None:
+            self.log.info("%s: %s reachable again after %.1f s (%d failed polls)", self.where, self.service,
+                          time.monotonic() - self.down_since, self.failures, extra={**extra, "outage": self.service})
+            self.down_since, self.failures = None, 0
+
+
+def reset_connection() -> None:
+    """Drop this thread's connection after a failure, so the next query opens a new one."""
+    try:
+        connection.close()
+    except Exception:  # closing a dead socket can fail too; Django forgets it either way
+        pass
+
+
+def retry_while_down(attempt, *, seconds: float, logger: logging.Logger, what: str, extra: dict | None = None,
+                     on_failure=None):
+    """Call `attempt()` until it gets past a database outage (or `seconds` run out: then the
+    last error is raised). `on_failure()` undoes in-memory state after each failed try."""
+    deadline = time.monotonic() + seconds
+    delay = 0.1
+    while True:
+        try:
+            return attempt()
+        except DATABASE_DOWN as exc:
+            if on_failure:
+                on_failure()
+            if time.monotonic() + delay > deadline:
+                raise
+            if delay == 0.1:
+                logger.warning("%s waits for the database (%s)", what, type(exc).__name__,
+                               extra={**(extra or {}), "outage": "database"})
+            reset_connection()
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+class DatabaseOutageMiddleware:
+    """A page or API call that finds the database unreachable answers 503 with a message a
+    person can act on (and Retry-After), not a 500 with a traceback."""
+
+    RETRY_AFTER_SECONDS = 5
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        return self.get_response(request)
+
+    def process_exception(self, request, exception):
+        if not isinstance(exception, DATABASE_DOWN):
+            return None
+        from django.http import HttpResponse, JsonResponse
+        from django.template.loader import render_to_string
+
+        logging.getLogger(__name__).warning("request failed: database unreachable (%s)", type(exception).__name__,
+                                            extra={"outage": "database", "path": request.path})
+        message = ("The database is unreachable right now. Nothing was lost: running tasks wait and continue "
+                   "on their own. Try again in a few seconds.")
+        if request.path.startswith("/api/"):
+            response = JsonResponse({"detail": message}, status=503)
+        else:
+            response = HttpResponse(render_to_string("database_unreachable.html", {"message": message,
+                                                                                 "retry": self.RETRY_AFTER_SECONDS}),
+                                    status=503)
+        response["Retry-After"] = str(self.RETRY_AFTER_SECONDS)
+        return response
