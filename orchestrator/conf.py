@@ -57,7 +57,7 @@ class HarnessSettings:
 
     @property
     def step_max_attempts(self) -> int:
-        return getattr(settings, "ORCH_STEP_MAX_ATTEMPTS", 3)
+        return settings.ORCH_STEP_MAX_ATTEMPTS
 
     @property
     def isolate_execution(self) -> bool:

@@ -255,6 +255,8 @@ ORCH_REQUEUE_AFTER_SECONDS = float(os.environ.get("ORCH_REQUEUE_AFTER_SECONDS", 
 # How long a finished step waits for an unreachable database to commit its checkpoint
 # (instead of dying and having a recovery redo the step).
 ORCH_DATABASE_RETRY_SECONDS = float(os.environ.get("ORCH_DATABASE_RETRY_SECONDS", "120"))
+# Attempts per step before its failure policy (needs_human / skip / fail) applies.
+ORCH_STEP_MAX_ATTEMPTS = int(os.environ.get("ORCH_STEP_MAX_ATTEMPTS", "3"))
 # A recovery that has not got the task running again after this long hands it to a human.
 ORCH_RECOVERY_TIMEOUT_SECONDS = float(os.environ.get("ORCH_RECOVERY_TIMEOUT_SECONDS", "300"))
 # Limits every task gets unless its creator overrides them.
