@@ -10,6 +10,7 @@ a status; once the connection is up, a timeout, a reset or a cancellation before
 status arrives is *outcome unknown* (the server may be acting on it right now)."""
 import http.client
 import json
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -33,16 +34,28 @@ class RequestProgress:
 
     def __init__(self):
         self.connected = False
+        self.connection = None
 
     def connection_class(self, base: type[http.client.HTTPConnection]):
         progress = self
 
         class Tracked(base):
             def connect(self):
+                progress.connection = self
                 super().connect()
                 progress.connected = True
 
         return Tracked
+
+    def abort(self) -> None:
+        """Cut the connection from another thread (a cancellation): a request blocked on
+        sending or on waiting for the answer fails at once."""
+        sock = getattr(self.connection, "sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def _opener(progress: RequestProgress) -> urllib.request.OpenerDirector:
@@ -71,6 +84,7 @@ def open_request(args: dict, *, token, idempotency_key: str | None = None, progr
         headers["Idempotency-Key"] = idempotency_key
     request = urllib.request.Request(args["url"], data=data, headers=headers,
                                      method=args.get("method", "GET").upper())
+    unregister = token.on_cancel(lambda reason: progress.abort())
     try:
         return _opener(progress).open(request, timeout=float(args.get("timeout", 30)))
     except urllib.error.HTTPError as exc:
@@ -82,6 +96,8 @@ def open_request(args: dict, *, token, idempotency_key: str | None = None, progr
                 f"{request.method} {args['url']}: the request was sent but no answer came ({type(exc).__name__}: "
                 f"{exc}); the server may have acted on it", evidence=_evidence(request, exc)) from exc
         raise ToolError(f"{request.method} {args['url']} failed before it reached the server: {exc}") from exc
+    finally:
+        unregister()
 
 
 def _evidence(request, error) -> dict:

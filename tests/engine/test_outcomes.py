@@ -103,3 +103,22 @@ def test_an_unexpected_exception_inside_a_non_idempotent_tool_counts_as_unknown(
     assert task.status == "awaiting_review", task.status_reason
     item = the_review(task)
     assert "unexpected RuntimeError" in item.reason and "driver crashed" in item.evidence["error"]
+
+
+def test_a_post_cancelled_in_flight_is_recorded_as_unknown_not_as_not_performed(silent_http, operator):
+    import threading
+
+    from tests.conftest import wait_for
+
+    task = services.task_create(type="test.effects", params={"kind": "post", "url": silent_http.url, "timeout": 60})
+    runner = threading.Thread(target=drive_inline, args=(task.pk,))
+    runner.start()
+    wait_for(lambda: len(silent_http.requests) == 1, message="the POST to reach the server")
+    services.task_stop(task_id=task.pk, actor=operator)  # cancels the request in flight
+    runner.join(timeout=30)
+    task = Task.objects.get(pk=task.pk)
+    assert task.status == "stopped"
+    entry = WalEntry.objects.get(task=task)
+    # Not "failed" (= did not happen): the server had the request when it was cut off.
+    assert entry.status == "pending" and "cancelled" in entry.error and "after the request was sent" in entry.error
+    assert len(silent_http.requests) == 1
