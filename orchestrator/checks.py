@@ -1,30 +1,88 @@
-"""Start-up checks for configurations that silently break durability."""
+"""Start-up checks (Django's system checks, tag `orchestrator`): configurations that
+silently break durability, one function per concern, each with a stable id.
+
+`manage.py check` runs the everyday ones; `manage.py check --deploy` adds the
+production-only ones (deploy=True)."""
+import sys
+
 from django.conf import settings
-from django.core.checks import Warning, register
+from django.core.checks import Error, Warning, register
+
+TAG = "orchestrator"
 
 
-@register()
-def check_worker_configuration(app_configs, **kwargs):
-    problems = []
+@register(TAG)
+def check_worker_redelivery(app_configs, **kwargs):
     q = settings.Q_CLUSTER
     if q.get("timeout") and q.get("retry", 0) <= q["timeout"]:
-        problems.append(Warning(
-            "Q_CLUSTER retry must exceed timeout, or django-q2 delivers a running job again.",
-            hint="Raise Q_CLUSTER['retry'] above the job timeout plus queue wait.",
-            id="orchestrator.W001",
-        ))
+        return [Warning("Q_CLUSTER retry must exceed timeout, or django-q2 delivers a running job again.",
+                        hint="Raise Q_CLUSTER['retry'] above the job timeout plus queue wait.",
+                        id="orchestrator.W001")]
+    return []
+
+
+@register(TAG)
+def check_lease_timing(app_configs, **kwargs):
+    problems = []
     if settings.ORCH_STALE_AFTER_SECONDS <= settings.ORCH_HEARTBEAT_SECONDS:
         problems.append(Warning(
             "ORCH_STALE_AFTER_SECONDS must be larger than ORCH_HEARTBEAT_SECONDS, or live tasks look dead.",
-            hint="Use at least 3 heartbeat intervals.",
-            id="orchestrator.W002",
-        ))
+            hint="Use at least 3 heartbeat intervals.", id="orchestrator.W002"))
+    if settings.ORCH_REQUEUE_AFTER_SECONDS <= settings.ORCH_HEARTBEAT_SECONDS:
+        problems.append(Warning(
+            "ORCH_REQUEUE_AFTER_SECONDS is not longer than a heartbeat: queued tasks are re-sent to the broker "
+            "before a worker had a fair chance to claim them.",
+            hint="Use several seconds (the default is 30).", id="orchestrator.W004"))
+    if settings.ORCH_RECOVERY_TIMEOUT_SECONDS <= settings.ORCH_STALE_AFTER_SECONDS:
+        problems.append(Warning(
+            "ORCH_RECOVERY_TIMEOUT_SECONDS is not longer than ORCH_STALE_AFTER_SECONDS: recoveries are given up "
+            "before a worker can take them.", hint="Use minutes (the default is 300).", id="orchestrator.W005"))
+    return problems
+
+
+@register(TAG)
+def check_sqlite_concurrency(app_configs, **kwargs):
     db = settings.DATABASES["default"]
     if db["ENGINE"].endswith("sqlite3"):
         opts = db.get("OPTIONS", {})
         if opts.get("transaction_mode") != "IMMEDIATE" or "journal_mode=WAL" not in opts.get("init_command", ""):
-            problems.append(Warning(
-                "SQLite without IMMEDIATE transactions and WAL mode fails with 'database is locked' under workers.",
-                id="orchestrator.W003",
-            ))
-    return problems
+            return [Warning("SQLite without IMMEDIATE transactions and WAL mode fails with 'database is locked' "
+                            "under workers.", id="orchestrator.W003")]
+    return []
+
+
+@register(TAG)
+def check_process_isolation(app_configs, **kwargs):
+    if settings.ORCH_ISOLATE_EXECUTION and not sys.platform.startswith("linux"):
+        return [Error("ORCH_ISOLATE_EXECUTION needs Linux (fork, prctl child subreaper, /proc): Force-terminate "
+                      f"could not kill a task's process tree on {sys.platform}.",
+                      hint="Run workers on Linux, or set ORCH_ISOLATE_EXECUTION=false (Force-terminate then waits "
+                           "for steps to honour cancellation).", id="orchestrator.E006")]
+    return []
+
+
+@register(TAG, deploy=True)
+def check_production_database(app_configs, **kwargs):
+    if settings.DATABASES["default"]["ENGINE"].endswith("sqlite3") and not settings.DEBUG:
+        return [Warning("DEBUG is false but the database is SQLite: one file on one machine, and writers queue "
+                        "behind each other.", hint="Set DATABASE_URL=postgres://... for production.",
+                        id="orchestrator.W010")]
+    return []
+
+
+@register(TAG, deploy=True)
+def check_secret_key(app_configs, **kwargs):
+    if settings.SECRET_KEY == settings.DEV_SECRET_KEY:
+        return [Error("SECRET_KEY is the public development key: sessions and API tokens can be forged.",
+                      hint="Set SECRET_KEY to a long random value (the same on every web and worker host).",
+                      id="orchestrator.E011")]
+    return []
+
+
+@register(TAG, deploy=True)
+def check_public_url(app_configs, **kwargs):
+    if "127.0.0.1" in settings.ORCH_PUBLIC_URL or "localhost" in settings.ORCH_PUBLIC_URL:
+        return [Warning(f"ORCH_PUBLIC_URL is {settings.ORCH_PUBLIC_URL}: the links in emails to operators "
+                        f"(a task needs a human) point at this machine only.",
+                        hint="Set ORCH_PUBLIC_URL to the dashboard's public address.", id="orchestrator.W012")]
+    return []

@@ -1,11 +1,111 @@
-"""The harness's settings in one place (the ORCH_* environment variables), with defaults."""
+"""The harness's settings in one place: every ORCH_* environment variable, declared once
+with its type, default and meaning (TABLE). settings.py loads them (`from_environment`);
+the engine reads them through `harness`. The README's configuration table lists the same
+names (a test keeps the two in step)."""
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError("expected true or false")
+
+
+def names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 @dataclass(frozen=True)
+class Setting:
+    name: str
+    parse: Callable[[str], Any]
+    # A value, or a function of the values read so far and the environment (a default that
+    # follows another setting).
+    default: Any
+    meaning: str
+
+
+TABLE: tuple[Setting, ...] = (
+    # --- where things live, and what runs
+    Setting("ORCH_VAR_DIR", Path, BASE_DIR / "var", "directory for the SQLite file, logs and fault markers"),
+    Setting("ORCH_WORKERS", int, 2, "worker processes per `qcluster`"),
+    Setting("ORCH_JOB_TIMEOUT_SECONDS", int, 3600, "django-q2 job timeout (its `retry` is twice this)"),
+    Setting("ORCH_ISOLATE_EXECUTION", boolean, True,
+            "run a task's steps in a child process tree that Force-terminate can kill outright"),
+    Setting("ORCH_EXTRA_TASK_TYPES", names, [], "extra task type modules, comma-separated (plug-ins, tests)"),
+    Setting("ORCH_CONTRACTS_DIR", str, "", "where demo.contracts reads contract_*.txt (default: the shipped samples)"),
+    Setting("ORCH_PUBLIC_URL", str, lambda values, env: f"http://127.0.0.1:{env.get('PORT', '8000')}",
+            "the dashboard's address, for links in emails to operators"),
+    # --- leases, recovery, retries
+    Setting("ORCH_HEARTBEAT_SECONDS", float, 2.0, "how often a running task's lease is refreshed"),
+    Setting("ORCH_STALE_AFTER_SECONDS", float, lambda values, env: 3 * values["ORCH_HEARTBEAT_SECONDS"],
+            "a running task whose heartbeat is older is recovered (default: 3 heartbeats)"),
+    Setting("ORCH_CONTROL_POLL_SECONDS", float, 0.05, "how often a runner looks for operator requests"),
+    Setting("ORCH_GRACE_SECONDS", float, 5.0, "how long Stop waits for the current step before it escalates"),
+    Setting("ORCH_SLICE_SECONDS", float, 60.0, "a worker drives one task this long, then re-enqueues it (fairness)"),
+    Setting("ORCH_MAX_RECOVERY_ATTEMPTS", int, 3, "recoveries per task before it needs a human"),
+    Setting("ORCH_RECOVERY_TIMEOUT_SECONDS", float, 300.0,
+            "a recovery that has not got its task running again after this long makes it needs_human"),
+    Setting("ORCH_REQUEUE_AFTER_SECONDS", float, 30.0,
+            "a queued task nobody claimed for this long is handed to the broker again"),
+    Setting("ORCH_DATABASE_RETRY_SECONDS", float, 120.0,
+            "how long a finished step waits for an unreachable database to commit its checkpoint"),
+    Setting("ORCH_STEP_MAX_ATTEMPTS", int, 3, "attempts per step before its failure policy applies"),
+    Setting("ORCH_SNAPSHOT_KEEP", int, 10, "snapshot versions kept per task (older ones are pruned)"),
+    Setting("ORCH_FAULTS", str, "", "fault injection for the crash tests (engine/faults.py); unset in production"),
+    # --- limits every task gets unless its creator overrides them
+    Setting("ORCH_DEFAULT_MAX_STEPS", int, 100_000, "default max_steps of a task"),
+    Setting("ORCH_DEFAULT_MAX_TOKENS", int, 10_000_000, "default max_tokens of a task"),
+    Setting("ORCH_DEFAULT_MAX_SECONDS", float, 24 * 3600.0, "default max_seconds (active time) of a task"),
+    Setting("ORCH_DEFAULT_MAX_SUBTASKS", int, 4, "default max_subtasks (steps run at once) of a task"),
+    # --- web
+    Setting("ORCH_LIVE_POLL_SECONDS", float, lambda values, env: 1.0 if env.get("REDIS_URL") else 0.1,
+            "how often each web process looks for changed tasks (0.1 s; 1 s as a safety net with Redis)"),
+    Setting("ORCH_MAX_REQUEST_BYTES", int, 2_621_440, "the largest request body (2.5 MiB); bigger API requests get 413"),
+    Setting("ORCH_LOGIN_FAILURE_LIMIT", int, 5, "wrong passwords per username and IP before a lock-out"),
+    Setting("ORCH_LOGIN_COOLOFF_MINUTES", float, 15.0, "how long a lock-out lasts"),
+    # --- logs
+    Setting("ORCH_LOG_LEVEL", str, "INFO", "log level of the harness's loggers"),
+    Setting("ORCH_LOG_FORMAT", str, "json", "`json` lines, or `text` for key=value lines"),
+    Setting("ORCH_OTEL_CONSOLE", boolean, False, "print trace spans to stdout (OTEL_EXPORTER_OTLP_ENDPOINT sends them)"),
+)
+
+
+def from_environment(environ=os.environ) -> dict[str, Any]:
+    """Every setting of TABLE, from the environment or its default; a value that does not
+    parse stops the start with a message naming the variable."""
+    values: dict[str, Any] = {}
+    for setting in TABLE:
+        raw = environ.get(setting.name)
+        if raw is None or raw == "":
+            default = setting.default
+            values[setting.name] = default(values, environ) if callable(default) else default
+            continue
+        try:
+            values[setting.name] = setting.parse(raw)
+        except ValueError as exc:
+            kind = {int: "a whole number", float: "a number", boolean: "true or false"}.get(setting.parse, "valid")
+            raise ImproperlyConfigured(f"{setting.name}={raw!r} is not {kind} ({exc}); it sets: "
+                                       f"{setting.meaning}.") from None
+    return values
+
+
 class HarnessSettings:
+    """What the engine reads, by the names it uses (from Django's settings, so tests can
+    override them)."""
+
     @property
     def heartbeat_seconds(self) -> float:
         return settings.ORCH_HEARTBEAT_SECONDS
@@ -44,7 +144,7 @@ class HarnessSettings:
 
     @property
     def control_poll_seconds(self) -> float:
-        return getattr(settings, "ORCH_CONTROL_POLL_SECONDS", 0.05)
+        return settings.ORCH_CONTROL_POLL_SECONDS
 
     @property
     def default_limits(self) -> dict:
@@ -65,7 +165,7 @@ class HarnessSettings:
 
     @property
     def extra_task_type_modules(self) -> list[str]:
-        return list(getattr(settings, "ORCH_EXTRA_TASK_TYPES", []))
+        return list(settings.ORCH_EXTRA_TASK_TYPES)
 
 
 harness = HarnessSettings()

@@ -42,8 +42,7 @@ STEPS_SENT = 2000  # as many as the task page shows
 
 
 def poll_interval() -> float:
-    default = 1.0 if settings.REDIS_URL else 0.1
-    return float(getattr(settings, "ORCH_LIVE_POLL_SECONDS", default))
+    return settings.ORCH_LIVE_POLL_SECONDS
 
 
 # --- what is sent ---------------------------------------------------------------------------

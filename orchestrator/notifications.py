@@ -22,7 +22,7 @@ def notify_needs_human(task_id: int) -> int:
     recipients = operator_emails()
     if task is None or not recipients:
         return 0
-    base = getattr(settings, "ORCH_PUBLIC_URL", f"http://127.0.0.1:{settings.PORT}")
+    base = settings.ORCH_PUBLIC_URL.rstrip("/")
     body = (f"Task #{task.pk} ({task.type}) needs a human.\n\nReason: {task.status_reason}\n\n"
             f"Open it: {base}/tasks/{task.pk}/\nFull context (JSON): {base}/api/tasks/{task.pk}/export\n")
     try:

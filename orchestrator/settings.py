@@ -9,8 +9,13 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from orchestrator.conf import from_environment
+
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(os.environ.get("ORCH_VAR_DIR", BASE_DIR / "var"))
+# Every ORCH_* setting, from its one declaration (orchestrator/conf.py TABLE).
+ORCH = from_environment(os.environ)
+globals().update(ORCH)
+VAR_DIR = ORCH["ORCH_VAR_DIR"]
 VAR_DIR.mkdir(parents=True, exist_ok=True)
 
 
@@ -21,7 +26,7 @@ def env_bool(name: str, default: bool) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
-DEV_SECRET_KEY = "dev-only-insecure-secret-key-change-me-in-production"
+DEV_SECRET_KEY = "dev-only-insecure-secret-key-change-me-in-production"  # orchestrator.checks E011 looks for it
 DEBUG = env_bool("DEBUG", True)
 SECRET_KEY = os.environ.get("SECRET_KEY", "").strip()
 if not DEBUG and SECRET_KEY in ("", DEV_SECRET_KEY):
@@ -143,10 +148,10 @@ else:
 # one django-q2 job never runs for hours. `retry` must exceed the job's run time plus its
 # wait in the cluster's queue, or django-q2 delivers it again while it still runs
 # (STACK_NOTES). Our own lease + sweeper guarantee recovery; django-q2 never retries.
-Q_TIMEOUT = int(os.environ.get("ORCH_JOB_TIMEOUT_SECONDS", "3600"))
+Q_TIMEOUT = ORCH["ORCH_JOB_TIMEOUT_SECONDS"]
 Q_CLUSTER = {
     "name": "orchestrator",
-    "workers": int(os.environ.get("ORCH_WORKERS", "2")),
+    "workers": ORCH["ORCH_WORKERS"],
     "timeout": Q_TIMEOUT,
     "retry": Q_TIMEOUT * 2,
     "max_attempts": 1,
@@ -170,8 +175,7 @@ DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "orchestrator@localhos
 # --- Request limits -------------------------------------------------------------------
 # The largest request body accepted (bytes); a bigger API request gets 413 with a JSON
 # message saying the limit. Django's own limit for form and JSON bodies follows it.
-ORCH_MAX_REQUEST_BYTES = int(os.environ.get("ORCH_MAX_REQUEST_BYTES", str(2_621_440)))  # 2.5 MiB
-DATA_UPLOAD_MAX_MEMORY_SIZE = ORCH_MAX_REQUEST_BYTES
+DATA_UPLOAD_MAX_MEMORY_SIZE = ORCH["ORCH_MAX_REQUEST_BYTES"]
 
 # --- Auth, i18n, static ---------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [
@@ -187,8 +191,8 @@ AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",  # first: it refuses locked-out attempts
     "django.contrib.auth.backends.ModelBackend",
 ]
-AXES_FAILURE_LIMIT = int(os.environ.get("ORCH_LOGIN_FAILURE_LIMIT", "5"))
-AXES_COOLOFF_TIME = timedelta(minutes=float(os.environ.get("ORCH_LOGIN_COOLOFF_MINUTES", "15")))
+AXES_FAILURE_LIMIT = ORCH["ORCH_LOGIN_FAILURE_LIMIT"]
+AXES_COOLOFF_TIME = timedelta(minutes=ORCH["ORCH_LOGIN_COOLOFF_MINUTES"])
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
@@ -234,39 +238,13 @@ LOGGING = {
         "text": {"()": "orchestrator.logging.TextFormatter"},
     },
     "handlers": {"console": {"class": "logging.StreamHandler",
-                             "formatter": "text" if os.environ.get("ORCH_LOG_FORMAT", "json") == "text" else "json"}},
+                             "formatter": "text" if ORCH["ORCH_LOG_FORMAT"] == "text" else "json"}},
     "loggers": {
-        "orchestrator": {"handlers": ["console"], "level": os.environ.get("ORCH_LOG_LEVEL", "INFO")},
-        "review": {"handlers": ["console"], "level": os.environ.get("ORCH_LOG_LEVEL", "INFO")},
+        "orchestrator": {"handlers": ["console"], "level": ORCH["ORCH_LOG_LEVEL"]},
+        "review": {"handlers": ["console"], "level": ORCH["ORCH_LOG_LEVEL"]},
         "django-q": {"handlers": ["console"], "level": "WARNING", "propagate": False},  # django-q2's logger
     },
 }
 
 # --- The harness's own settings: read through orchestrator.conf ------------------------
-ORCH_HEARTBEAT_SECONDS = float(os.environ.get("ORCH_HEARTBEAT_SECONDS", "2"))
-ORCH_STALE_AFTER_SECONDS = float(os.environ.get("ORCH_STALE_AFTER_SECONDS", str(3 * ORCH_HEARTBEAT_SECONDS)))
-ORCH_GRACE_SECONDS = float(os.environ.get("ORCH_GRACE_SECONDS", "5"))
-ORCH_SNAPSHOT_KEEP = int(os.environ.get("ORCH_SNAPSHOT_KEEP", "10"))
-ORCH_MAX_RECOVERY_ATTEMPTS = int(os.environ.get("ORCH_MAX_RECOVERY_ATTEMPTS", "3"))
-ORCH_SLICE_SECONDS = float(os.environ.get("ORCH_SLICE_SECONDS", "60"))
-# A queued task nobody claimed for this long is handed to the broker again (its message
-# may be lost: a Redis restart, a crash between commit and send).
-ORCH_REQUEUE_AFTER_SECONDS = float(os.environ.get("ORCH_REQUEUE_AFTER_SECONDS", "30"))
-# How long a finished step waits for an unreachable database to commit its checkpoint
-# (instead of dying and having a recovery redo the step).
-ORCH_DATABASE_RETRY_SECONDS = float(os.environ.get("ORCH_DATABASE_RETRY_SECONDS", "120"))
-# Attempts per step before its failure policy (needs_human / skip / fail) applies.
-ORCH_STEP_MAX_ATTEMPTS = int(os.environ.get("ORCH_STEP_MAX_ATTEMPTS", "3"))
-# A recovery that has not got the task running again after this long hands it to a human.
-ORCH_RECOVERY_TIMEOUT_SECONDS = float(os.environ.get("ORCH_RECOVERY_TIMEOUT_SECONDS", "300"))
-# Limits every task gets unless its creator overrides them.
-ORCH_DEFAULT_MAX_STEPS = int(os.environ.get("ORCH_DEFAULT_MAX_STEPS", "100000"))
-ORCH_DEFAULT_MAX_TOKENS = int(os.environ.get("ORCH_DEFAULT_MAX_TOKENS", "10000000"))
-ORCH_DEFAULT_MAX_SECONDS = float(os.environ.get("ORCH_DEFAULT_MAX_SECONDS", str(24 * 3600)))
-ORCH_DEFAULT_MAX_SUBTASKS = int(os.environ.get("ORCH_DEFAULT_MAX_SUBTASKS", "4"))
-# Run each task's steps in a child process group that Force-terminate can kill outright.
-ORCH_ISOLATE_EXECUTION = env_bool("ORCH_ISOLATE_EXECUTION", True)
-# Extra task type modules (comma-separated), e.g. for tests or plug-ins.
-ORCH_EXTRA_TASK_TYPES = [m.strip() for m in os.environ.get("ORCH_EXTRA_TASK_TYPES", "").split(",") if m.strip()]
-if "ORCH_LIVE_POLL_SECONDS" in os.environ:
-    ORCH_LIVE_POLL_SECONDS = float(os.environ["ORCH_LIVE_POLL_SECONDS"])
+# (The harness's own ORCH_* settings are loaded at the top, from orchestrator/conf.py.)

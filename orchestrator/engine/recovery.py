@@ -108,11 +108,14 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attemp
     """Recover one task whose worker is gone: found stale by a sweeper, or reported dead
     (`dead_lease`) by the worker that watched its executor die. An orderly worker shutdown
     does not count against ORCH_MAX_RECOVERY_ATTEMPTS (`count_attempt=False`)."""
-    candidates = Task.objects.select_for_update(skip_locked=True).filter(pk=task_id)
     if dead_lease is not None:
-        candidates = candidates.filter(lease_epoch=dead_lease.epoch, status__in=(*SWEEPABLE, S.QUEUED))
+        # The worker that saw its executor die waits for the row: skipping it when a sweeper
+        # or an operator holds it for a moment would leave the task to the next stale sweep.
+        candidates = Task.objects.select_for_update().filter(
+            pk=task_id, lease_epoch=dead_lease.epoch, status__in=(*SWEEPABLE, S.QUEUED))
     else:
-        candidates = candidates.filter(pk__in=stale_tasks().values("pk"))
+        candidates = Task.objects.select_for_update(skip_locked=True).filter(
+            pk=task_id, pk__in=stale_tasks().values("pk"))
     with transaction.atomic():
         task = candidates.first()
         if task is None:

@@ -285,5 +285,5 @@ def list_samples() -> list[Path]:
     ORCH_CONTRACTS_DIR when it is set."""
     from django.conf import settings
 
-    directory = Path(getattr(settings, "ORCH_CONTRACTS_DIR", "") or SAMPLES_DIR)
+    directory = Path(settings.ORCH_CONTRACTS_DIR or SAMPLES_DIR)
     return sorted(directory.glob("contract_*.txt"))
