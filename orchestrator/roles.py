@@ -1,4 +1,4 @@
-"""Roles are Django groups (DESIGN): `viewer` reads; `operator` also creates and
+"""Roles are Django groups (created by a migration): `viewer` reads; `operator` also creates and
 controls tasks; `reviewer` also decides review items. Superusers hold every role."""
 VIEWER, OPERATOR, REVIEWER = "viewer", "operator", "reviewer"
 ROLES = (VIEWER, OPERATOR, REVIEWER)

@@ -1,7 +1,6 @@
 """The Content-Security-Policy header, pages without inline script or style, and the API
 docs served from local static files (no CDN: they work offline)."""
 import re
-from pathlib import Path
 
 import pytest
 

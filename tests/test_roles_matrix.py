@@ -14,17 +14,17 @@ from django.test import Client
 from django.conf import settings
 from django.urls import URLPattern, URLResolver, get_resolver
 
-from orchestrator.auth import token_issue
 from orchestrator.engine import services
 from orchestrator.models import AuditEntry, Snapshot, Step, Task, WalEntry
 from review.models import ReviewItem
 from review.services import review_open
+from tests.support.helpers import bearer
 
 TEST_CLIENT_IP = "127.0.0.1"  # REMOTE_ADDR of Django's test client
 LOGIN_URL = "/accounts/login/"
 
 # --- the policy -------------------------------------------------------------------------------
-# kind -> the identities allowed to do it (DESIGN: viewer reads; operator also creates and
+# kind -> the identities allowed to do it (orchestrator/roles.py: viewer reads; operator also creates and
 # controls tasks; reviewer also decides review items; superusers hold every role).
 READ, CREATE, CONTROL, REVIEW = "read", "create", "control", "review"
 ALLOWED = {
@@ -142,10 +142,6 @@ def review_state(review: ReviewItem | None):
         return None
     return (ReviewItem.objects.filter(pk=review.pk).values_list("status", "decision", "decided_by").get(),
             WalEntry.objects.get(pk=review.wal_entry_id).status)
-
-
-def bearer(user) -> dict:
-    return {"HTTP_AUTHORIZATION": f"Bearer {token_issue(user=user)}"}
 
 
 def assert_audited(*, user, action: str, task_id: int) -> None:

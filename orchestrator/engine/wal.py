@@ -1,4 +1,4 @@
-"""The write-ahead-log protocol for side effects (DESIGN "The WAL protocol").
+"""The write-ahead-log protocol for side effects.
 
 1. Commit a WalEntry `pending` (fenced on the lease) with the tool, args and a
    deterministic idempotency key: task, step, call index — the same on replay.

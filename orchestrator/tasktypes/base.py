@@ -1,4 +1,4 @@
-"""The step contract: what a task type declares (DESIGN "The step contract")."""
+"""The step contract: what a task type declares and what the engine guarantees it."""
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 

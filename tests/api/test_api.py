@@ -4,6 +4,7 @@ from django.core.management import call_command
 
 from orchestrator.engine import services
 from orchestrator.models import AuditEntry, Task
+from tests.support.helpers import bearer
 
 pytestmark = pytest.mark.django_db
 
@@ -11,12 +12,6 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def operator(make_user):
     return make_user("olga", "operator")
-
-
-def bearer(user) -> dict:
-    from orchestrator.auth import token_issue
-
-    return {"HTTP_AUTHORIZATION": f"Bearer {token_issue(user=user)}"}
 
 
 def test_anonymous_requests_get_401(client):

@@ -13,6 +13,7 @@ from django.utils import timezone
 from orchestrator.auth import hash_token, token_issue
 from orchestrator.engine import services
 from orchestrator.models import ApiToken, Task
+from tests.support.helpers import bearer
 
 pytestmark = pytest.mark.django_db
 
@@ -22,10 +23,6 @@ BIG = "99999999999999999999"  # > 2**64
 @pytest.fixture
 def operator(make_user):
     return make_user("olga", "operator", "viewer", "reviewer")
-
-
-def bearer(user, **kwargs) -> dict:
-    return {"HTTP_AUTHORIZATION": f"Bearer {token_issue(user=user, **kwargs)}"}
 
 
 # --- 1. request size ------------------------------------------------------------------------

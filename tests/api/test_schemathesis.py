@@ -4,7 +4,7 @@ through the WSGI application. Every answer must be a declared status with a body
 its declared schema, and never a 500.
 
 Loaded with `schemathesis.openapi.from_wsgi` at module level (its pytest `from_fixture`
-crashed under pytest 9.2, STACK_NOTES). Examples are capped to keep the run short.
+crashed under pytest 9.2). Examples are capped to keep the run short.
 """
 import pytest
 import schemathesis

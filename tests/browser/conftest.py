@@ -1,7 +1,7 @@
 """Browser tests: a real daphne + real workers against the test database, driven by the
 system Chromium through Playwright's sync API (no browser is ever downloaded).
 
-Traps (STACK_NOTES "Browser tests"): Playwright's sync API runs an event loop in the test
+Two traps: Playwright's sync API runs an event loop in the test
 thread, so Django refuses ORM calls there unless DJANGO_ALLOW_ASYNC_UNSAFE is set, and
 `async_to_sync` refuses to run there at all: create database objects before starting the
 browser, or in another thread (`in_thread`).

@@ -6,10 +6,10 @@ ambiguity goes to review (decided here from the ground truth, as a reviewer woul
 import pytest
 
 from orchestrator.engine import services
-from orchestrator.models import DemoDestination, Task, WalEntry
+from orchestrator.models import DemoDestination, WalEntry
 from review.models import ReviewItem
 from review.services import review_decide
-from tests.conftest import wait_for
+from tests.support.helpers import settle
 from tests.support.keyed_server import KeyedServer
 
 pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
@@ -23,12 +23,6 @@ def keyed_server():
     server = KeyedServer()
     yield server
     server.stop()
-
-
-def settle(task_id: int) -> Task:
-    wait_for(lambda: Task.objects.get(pk=task_id).status in ("completed", "awaiting_review", "failed", "needs_human"),
-             timeout=60, message="the task to settle")
-    return Task.objects.get(pk=task_id)
 
 
 @pytest.mark.parametrize("kind", KINDS)

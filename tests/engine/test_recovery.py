@@ -11,14 +11,9 @@ from orchestrator.models import Step, Task, TaskEvent, WalEntry
 from review.models import ReviewItem
 from review.services import review_decide
 from tests.conftest import wait_for
+from tests.support.helpers import settle
 
 pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
-
-
-def settle(task_id: int, timeout: float = 60) -> Task:
-    wait_for(lambda: Task.objects.get(pk=task_id).status in ("completed", "awaiting_review", "failed", "needs_human"),
-             timeout=timeout, message="the task to settle")
-    return Task.objects.get(pk=task_id)
 
 
 def test_killing_the_worker_mid_email_sends_it_to_review_and_each_recipient_gets_one(

@@ -1,15 +1,11 @@
 """The review API: deciding with a bearer token, who may, and the errors; the export."""
 import pytest
 
-from orchestrator.auth import token_issue
 from orchestrator.models import AuditEntry, IdempotencyRecord, Task, WalEntry
 from review.models import ReviewItem
+from tests.support.helpers import bearer
 
 pytestmark = pytest.mark.django_db
-
-
-def bearer(user) -> dict:
-    return {"HTTP_AUTHORIZATION": f"Bearer {token_issue(user=user)}"}
 
 
 def decide(client, item, user, **body):

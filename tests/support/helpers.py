@@ -1,0 +1,18 @@
+"""Helpers the tests share (instead of a copy per file)."""
+from orchestrator.models import Task
+from tests.conftest import wait_for
+
+SETTLED = ("completed", "awaiting_review", "failed", "needs_human")
+
+
+def bearer(user, **token_options) -> dict:
+    """Request headers that authenticate as `user` with a fresh API token."""
+    from orchestrator.auth import token_issue
+
+    return {"HTTP_AUTHORIZATION": f"Bearer {token_issue(user=user, **token_options)}"}
+
+
+def settle(task_id: int, timeout: float = 60) -> Task:
+    """Wait until the task stops moving by itself (done, failed, or waiting for a person)."""
+    wait_for(lambda: Task.objects.get(pk=task_id).status in SETTLED, timeout=timeout, message="the task to settle")
+    return Task.objects.get(pk=task_id)
