@@ -16,10 +16,10 @@ from datetime import timedelta
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import close_old_connections, connection
 from django.utils import timezone
 
-from .engine.events import TASK_LIST_GROUP, task_group
+from .engine.events import NOTIFY_CHANNEL, TASK_LIST_GROUP, task_group
 from .models import Step, Task, TaskEvent, WalEntry
 from .outage import DATABASE_DOWN, OutageWatch
 
@@ -121,10 +121,55 @@ class EventTailer:
         loop = asyncio.get_running_loop()
         if self.task is None or self.task.done() or self.task.get_loop() is not loop:
             self.known = {}
+            self.listening = False
             self.task = loop.create_task(self.run())
+            if connection.vendor == "postgresql":
+                self.listener = loop.create_task(self.listen())
+
+    async def hint(self, task_id: int, seq: int, status: str, steps_done: int, steps_total: int) -> None:
+        """Tell the pages of `task_id` (and the task list) that it has events up to `seq`."""
+        if seq <= self.known.get(task_id, -1):
+            return  # already told (the poll and the listener both see most changes)
+        self.known[task_id] = seq
+        message = {"type": "task.changed", "task_id": task_id, "seq": seq, "status": status,
+                   "steps_done": steps_done, "steps_total": steps_total}
+        layer = get_channel_layer()
+        await layer.group_send(task_group(task_id), message)
+        await layer.group_send(TASK_LIST_GROUP, message)
+
+    async def listen(self) -> None:
+        """PostgreSQL: LISTEN for the NOTIFY each event's transaction sends (engine/events.py),
+        so a commit reaches the pages in milliseconds; the table poll stays as a safety net."""
+        import psycopg
+
+        settings_dict = connection.settings_dict
+        params = {"dbname": settings_dict["NAME"], "user": settings_dict["USER"] or None,
+                  "password": settings_dict["PASSWORD"] or None, "host": settings_dict["HOST"] or None,
+                  "port": settings_dict["PORT"] or None}
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                        autocommit=True, **{k: v for k, v in params.items() if v is not None}) as conn:
+                    await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    self.listening = True
+                    async for notify in conn.notifies():
+                        task_id, seq, status, done, total = notify.payload.split(":")
+                        try:
+                            await self.hint(int(task_id), int(seq), status, int(done), int(total))
+                        except CHANNEL_LAYER_DOWN as exc:
+                            self.channel_layer.failed(exc)
+            except asyncio.CancelledError:
+                raise
+            except (psycopg.OperationalError, OSError):
+                # The database is away: the poll reports the outage; listen again when it is back.
+                self.listening = False
+                await asyncio.sleep(1.0)
+            except Exception:
+                self.listening = False
+                log.warning("live listener failed; listening again", exc_info=True)
+                await asyncio.sleep(1.0)
 
     async def run(self) -> None:
-        layer = get_channel_layer()
         # Tasks already changed before we started are not news.
         since = timezone.now() - LOOKBACK
         try:
@@ -134,7 +179,8 @@ class EventTailer:
             self.database.failed(exc)
             await self.announce(False)
         while True:
-            await asyncio.sleep(poll_interval())
+            # While LISTEN delivers, the poll is only a safety net (a missed notification).
+            await asyncio.sleep(max(poll_interval(), 1.0) if self.listening else poll_interval())
             try:
                 poll_started = timezone.now()
                 try:
@@ -149,13 +195,8 @@ class EventTailer:
                     await self.announce(True)
                 since = poll_started - LOOKBACK
                 for row in rows:
-                    if row["event_seq"] > self.known.get(row["id"], -1):
-                        self.known[row["id"]] = row["event_seq"]
-                        message = {"type": "task.changed", "task_id": row["id"], "seq": row["event_seq"],
-                                   "status": row["status"], "steps_done": row["steps_done"],
-                                   "steps_total": row["steps_total"]}
-                        await layer.group_send(task_group(row["id"]), message)
-                        await layer.group_send(TASK_LIST_GROUP, message)
+                    await self.hint(row["id"], row["event_seq"], row["status"], row["steps_done"],
+                                    row["steps_total"])
                 if len(self.known) > 10_000:
                     self.known = {k: v for k, v in self.known.items() if k in {r["id"] for r in rows}}
                 self.channel_layer.succeeded()

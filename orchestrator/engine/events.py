@@ -6,7 +6,7 @@ listeners; readers fetch events from the database by seq.
 """
 import logging
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -30,9 +30,18 @@ def append_event(task: Task, kind: str, payload: dict) -> TaskEvent:
     return create_event(task, task.event_seq, kind, payload)
 
 
+NOTIFY_CHANNEL = "orchestrator_tasks"
+
+
 def create_event(task: Task, seq: int, kind: str, payload: dict) -> TaskEvent:
     """Insert an event whose seq the caller already reserved on the locked task row."""
     event = TaskEvent.objects.create(task=task, seq=seq, kind=kind, payload=payload)
+    if connection.vendor == "postgresql":
+        # Delivered by PostgreSQL at commit (never for a rolled-back transaction): wakes the
+        # web processes' LISTEN at once, with or without Redis.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, %s)", [NOTIFY_CHANNEL, f"{task.pk}:{seq}:{task.status}:"
+                                                                         f"{task.steps_done}:{task.steps_total}"])
     transaction.on_commit(lambda: publish_hint(task.pk, seq, task.status, task.steps_done, task.steps_total))
     return event
 
