@@ -76,6 +76,8 @@ def _state_reason(task: Task, name: str, *, limits: dict | None) -> str:
         if not states.can_transition(status, S.STOPPED):
             return f"Task #{pk} is {status}; it cannot {VERBS[name]}."
     elif name == "terminate":
+        if control == "terminate":
+            return f"Force-terminate was requested for task #{pk} already."
         if not states.can_transition(status, S.TERMINATED):
             return f"Task #{pk} is {status}; it cannot {VERBS[name]}."
     elif name == "resume":
