@@ -16,7 +16,7 @@ from ninja.utils import check_csrf
 
 from . import roles, selectors
 from .auth import TokenRejected, token_authenticate
-from .engine import revisions, services
+from .engine import actions as task_actions, revisions, services
 from .engine.states import InvalidTransition
 from .models import AuditEntry, Snapshot, Task, TaskEvent, TaskStatus, WalEntry
 from .tasktypes import all_types
@@ -232,6 +232,12 @@ class TaskSummaryOut(Schema):
     updated_at: datetime
 
 
+class ActionOut(Schema):
+    name: Literal[task_actions.NAMES] = Field(..., description="an action on the task: " + ", ".join(task_actions.NAMES))
+    allowed: bool = Field(..., description="whether you may take it now")
+    reason: str = Field(..., description="why not (empty when allowed)")
+
+
 class TaskOut(TaskSummaryOut):
     params: dict
     limits: dict
@@ -247,6 +253,8 @@ class TaskOut(TaskSummaryOut):
     control_requested_at: datetime | None
     control_acknowledged_at: datetime | None
     activities: list[dict]
+    paused_by_limit: str = Field(..., description="the limit that paused the task (raise it to resume), or empty")
+    actions: list[ActionOut] = Field(..., description="what the caller may do to the task now, and why not")
     steps: list[StepOut]
 
 
@@ -301,7 +309,8 @@ class ControlIn(Schema):
     reason: str = ""
 
 
-def task_out(task: Task) -> dict:
+def task_out(task: Task, user=None) -> dict:
+    """The task as the API shows it to `user` (None: the system, e.g. the CLI)."""
     steps = [StepOut(id=s.step_id, title=s.title, status=s.status, depends_on=s.depends_on, reads=s.reads,
                      attempts=s.attempts, started_at=s.started_at, finished_at=s.finished_at,
                      duration_seconds=s.duration_seconds, error=s.error, result=s.result)
@@ -317,7 +326,8 @@ def task_out(task: Task) -> dict:
         worker=WorkerOut(host=task.worker_host, pid=task.worker_pid) if running else None, error=task.error,
         started_at=task.started_at, finished_at=task.finished_at, control=task.control,
         control_requested_at=task.control_requested_at, control_acknowledged_at=task.control_acknowledged_at,
-        activities=task.activities, steps=steps)
+        activities=task.activities, paused_by_limit=task.paused_by_limit,
+        actions=task_actions.as_list(task_actions.available(task, user)), steps=steps)
 
 
 # Every status an endpoint can answer is declared (schemathesis checks that).
@@ -352,7 +362,7 @@ def create_task(request, body: TaskCreateIn):
     require(request, roles.OPERATOR)
     task = services.task_create(type=body.type, params=body.params, limits=body.limits, title=body.title,
                                 actor=request.auth, ip=client_ip(request))
-    return Status(201, task_out(task))
+    return Status(201, task_out(task, request.auth))
 
 
 @api.get("/tasks", response=responses({200: TaskPageOut}, PARAMS), tags=["tasks"])
@@ -373,7 +383,7 @@ def list_tasks(request, status: str = Query("", description="comma-separated sta
 @api.get("/tasks/{task_id}", response=responses({200: TaskOut}, FOUND), tags=["tasks"])
 def task_detail(request, task_id: int = id_param("a task id")):
     require(request, roles.VIEWER)
-    return task_out(get_task(task_id))
+    return task_out(get_task(task_id), request.auth)
 
 
 def optional_object_body(request) -> None:
@@ -389,7 +399,7 @@ def _control(request, task_id: int, action, body: ControlIn | None):
     require(request, roles.OPERATOR)
     get_task(task_id)
     action(task_id=task_id, actor=request.auth, ip=client_ip(request), reason=body.reason if body else "")
-    return task_out(get_task(task_id))
+    return task_out(get_task(task_id), request.auth)
 
 
 CONTROL_RESPONSES = responses({200: TaskOut}, FOUND, BODY, {409: ErrorOut})
@@ -423,7 +433,7 @@ def skip_step(request, body: SkipStepIn, task_id: int = id_param("a task id")):
     get_task(task_id)
     services.task_skip_step(task_id=task_id, step_id=body.step_id, reason=body.reason, actor=request.auth,
                             ip=client_ip(request))
-    return task_out(get_task(task_id))
+    return task_out(get_task(task_id), request.auth)
 
 
 class ResumeIn(ControlIn):
@@ -474,18 +484,18 @@ def resume_task(request, task_id: int = id_param("a task id"), body: ResumeIn | 
     if body.params is not None:
         new_params = services.validate_params(task.type, body.params)
         if body.dry_run:
-            preview = revisions.preview_edit(task, new_params)[0]
+            preview = revisions.preview_edit(task, new_params, request.auth)[0]
         else:
             preview = revisions.apply_edit(task_id=task_id, new_params=new_params, expected_version=body.expected_version,
                                            limits=body.limits, repeat_effects=body.repeat_effects,
                                            actor=request.auth, ip=client_ip(request))
     elif body.dry_run:
-        preview = revisions.preview_edit(task, task.params)[0]
+        preview = revisions.preview_edit(task, task.params, request.auth)[0]
     else:
         services.task_resume(task_id=task_id, limits=body.limits, actor=request.auth, ip=client_ip(request),
                              reason=body.reason)
     return RevisionOut(applied=not body.dry_run, preview=preview.as_dict() if preview else None,
-                       task=task_out(get_task(task_id)))
+                       task=task_out(get_task(task_id), request.auth))
 
 
 class RollbackIn(Schema):
@@ -506,12 +516,13 @@ def rollback_task(request, body: RollbackIn, task_id: int = id_param("a task id"
     require(request, roles.OPERATOR)
     task = get_task(task_id)
     if body.dry_run:
-        preview = revisions.preview_rollback(task, body.version)
+        preview = revisions.preview_rollback(task, body.version, request.auth)
     else:
         preview = revisions.apply_rollback(task_id=task_id, version=body.version, expected_version=body.expected_version,
                                            repeat_effects=body.repeat_effects, actor=request.auth,
                                            ip=client_ip(request))
-    return RevisionOut(applied=not body.dry_run, preview=preview.as_dict(), task=task_out(get_task(task_id)))
+    return RevisionOut(applied=not body.dry_run, preview=preview.as_dict(),
+                       task=task_out(get_task(task_id), request.auth))
 
 
 @api.get("/tasks/{task_id}/wal", response=responses({200: list[WalOut]}, FOUND), tags=["history"])

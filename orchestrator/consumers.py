@@ -106,7 +106,8 @@ class RoleRequiredConsumer(AsyncJsonWebsocketConsumer):
 class TaskConsumer(RoleRequiredConsumer):
     async def start(self):
         self.task_id = int(self.scope["url_route"]["kwargs"]["task_id"])
-        state = await database_sync_to_async(live.task_state)(self.task_id) if 1 <= self.task_id <= MAX_SEQ else None
+        state = (await database_sync_to_async(live.task_state)(self.task_id, self.scope.get("user"))
+                 if 1 <= self.task_id <= MAX_SEQ else None)
         if state is None:
             await self.close(code=4404)
             return
@@ -197,7 +198,7 @@ class TaskConsumer(RoleRequiredConsumer):
     async def send_state(self):
         self.state_pending = False
         self.last_state_at = time.monotonic()
-        state = await database_sync_to_async(live.task_state)(self.task_id)
+        state = await database_sync_to_async(live.task_state)(self.task_id, self.scope.get("user"))
         if state is not None:
             await self.send_json({"type": "state", **state})
 

@@ -19,6 +19,7 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
+from .engine import actions
 from .engine.events import NOTIFY_CHANNEL, TASK_LIST_GROUP, task_group
 from .models import Step, Task, TaskEvent, WalEntry
 from .outage import DATABASE_DOWN, OutageWatch
@@ -57,11 +58,13 @@ def task_summary(task: Task) -> dict:
             "progress_percent": task.progress_percent, "seq": task.event_seq, "updated_at": iso(task.updated_at)}
 
 
-def task_state(task_id: int) -> dict | None:
-    """Everything the task page shows that changes while a task runs."""
+def task_state(task_id: int, user=None) -> dict | None:
+    """Everything the task page shows that changes while a task runs, with the actions
+    `user` may take now (engine/actions.py): the page shows its controls from them."""
     task = Task.objects.filter(pk=task_id).first()
     if task is None:
         return None
+    verdicts = actions.available(task, user)
     steps = [{"id": s.step_id, "title": s.title, "status": s.status, "attempts": s.attempts,
               "depends_on": s.depends_on, "reads": s.reads,
               "started_at": iso(s.started_at), "finished_at": iso(s.finished_at),
@@ -78,7 +81,8 @@ def task_state(task_id: int) -> dict | None:
             "activities": task.activities,
             "worker": {"host": task.worker_host, "pid": task.worker_pid} if task.lease_owner else None,
             "heartbeat_age": round(heartbeat_age, 1) if heartbeat_age is not None else None,
-            "steps": steps, "wal": wal}
+            "steps": steps, "wal": wal, "paused_by_limit": task.paused_by_limit,
+            "actions": actions.as_list(verdicts), "controls_note": actions.controls_note(task, verdicts)}
 
 
 def event_json(event: TaskEvent) -> dict:

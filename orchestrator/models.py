@@ -28,6 +28,9 @@ class Task(models.Model):
     limits = models.JSONField(default=dict)
     status = models.CharField(max_length=20, choices=TaskStatus.choices, default=TaskStatus.QUEUED)
     status_reason = models.CharField(max_length=500, blank=True)
+    # The limit (max_steps, max_tokens, max_seconds, max_subtasks) that paused the task;
+    # blank unless the runner paused it for a limit (every other transition clears it).
+    paused_by_limit = models.CharField(max_length=20, blank=True, default="")
     error = models.TextField(blank=True)
 
     # Progress counters (denormalised so the list page needs no joins).

@@ -18,8 +18,8 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from . import roles, selectors
-from .engine import revisions, services, states
-from .models import Snapshot, StepStatus, Task, TaskStatus
+from .engine import actions as task_actions, revisions, services, states
+from .models import Snapshot, Task, TaskStatus
 from .tasktypes import all_types
 
 STEP_ROWS_SHOWN = 2000
@@ -368,18 +368,6 @@ def task_new(request):
 
 # --- the task page ------------------------------------------------------------------------
 
-def control_actions(task: Task) -> dict:
-    """Which control buttons make sense in the task's current state."""
-    status = task.status
-    return {
-        "pause": status in (TaskStatus.RUNNING, TaskStatus.QUEUED) and task.control != "pause",
-        "resume": status in (TaskStatus.PAUSED, TaskStatus.NEEDS_HUMAN),
-        "skip_step": status == TaskStatus.NEEDS_HUMAN,
-        "stop": states.can_transition(status, TaskStatus.STOPPED) and status != TaskStatus.STOPPING,
-        "terminate": states.can_transition(status, TaskStatus.TERMINATED),
-    }
-
-
 def _json(value, indent=None) -> str:
     return json.dumps(value, indent=indent, ensure_ascii=False, sort_keys=indent is not None, default=str)
 
@@ -399,10 +387,8 @@ def task_detail(request, task_id: int):
     for entry in wal:
         entry.args_json = _json(entry.args)
     audit = list(task.audit_entries.select_related("actor").all()[:500])
-    actions = control_actions(task)
-    skippable = (list(task.steps.exclude(status__in=(StepStatus.DONE, StepStatus.SKIPPED))
-                      .order_by("status", "position").values_list("step_id", "status")[:500])
-                 if actions["skip_step"] else [])
+    actions = task_actions.available(task, request.user)
+    skippable = task_actions.skippable_steps(task) if actions["skip_step"].allowed else []
     heartbeat_age = (now - task.heartbeat_at).total_seconds() if task.heartbeat_at else None
     try:
         type_title = _task_types()[task.type].title
@@ -419,12 +405,11 @@ def task_detail(request, task_id: int):
         "wal": wal,
         "wal_total": wal_total,
         "snapshots": snapshot_history(list(task.snapshots.order_by("-version"))),
-        "can_revise": task.status == TaskStatus.PAUSED,
         "events": events,
         "audit": audit,
         "actions": actions,
+        "controls_note": task_actions.controls_note(task, actions),
         "skippable_steps": skippable,
-        "has_actions": any(actions.values()),
         "is_terminal": task.status in states.TERMINAL,
     })
 
@@ -553,9 +538,12 @@ def snapshot_history(snapshots: list[Snapshot]) -> list[dict]:
 STEP_IDS_SHOWN = 500  # per list on a preview page
 
 
-def _not_paused(request, task: Task, what: str):
-    messages.error(request, f"Task #{task.pk} is {task.status}; only a paused task can {what}. "
-                            f"Pause it first.")
+def _refused(request, task: Task, action: str):
+    """The reason `action` is refused on `task` now, as a message on the task page (None if allowed)."""
+    verdict = task_actions.check(task, action, request.user)
+    if verdict.allowed:
+        return None
+    messages.error(request, verdict.reason)
     return redirect("task_detail", task_id=task.pk)
 
 
@@ -564,16 +552,16 @@ def _edit_form_context(task: Task, task_type, params: dict | None = None) -> dic
     limits = limit_fields()
     for field in limits:  # blank keeps the task's current limit
         field["placeholder"] = task.limits.get(field["key"], field["placeholder"])
-    limit = task.status_reason.removeprefix("limit: ") if task.status_reason.startswith("limit: ") else ""
+    limit = task.paused_by_limit
     return {"task": task, "task_type": task_type, "fields": fields, "limit_fields": limits, "general_errors": [],
             "paused_by_limit": limit, "limits_open": bool(limit)}
 
 
 def _limit_warning(task: Task, preview: revisions.Preview, limit_values: dict) -> str:
     """The limit that paused the task, if the edit leaves it too low to finish."""
-    if not task.status_reason.startswith("limit: "):
+    limit = task.paused_by_limit
+    if not limit:
         return ""
-    limit = task.status_reason.removeprefix("limit: ")
     value = {**task.limits, **limit_values}.get(limit)
     if value is None:
         return ""
@@ -592,7 +580,7 @@ def _limit_warning(task: Task, preview: revisions.Preview, limit_values: dict) -
 
 def _edit_preview(request, task: Task, params: dict, limit_values: dict, status: int = 200):
     try:
-        preview, _specs = revisions.preview_edit(task, params)
+        preview, _specs = revisions.preview_edit(task, params, request.user)
     except states.InvalidTransition as exc:
         messages.error(request, str(exc))
         return redirect("task_detail", task_id=task.pk)
@@ -651,12 +639,10 @@ def task_edit(request, task_id: int):
     preview, then confirm (applied only if the task did not change since the preview)."""
     require_operator(request)
     task = get_task(task_id)
-    if task.status != TaskStatus.PAUSED:
-        return _not_paused(request, task, "have its parameters edited")
-    task_type = _task_types().get(task.type)
-    if task_type is None:
-        messages.error(request, f"Task #{task.pk} has type {task.type!r}, which this server does not know.")
-        return redirect("task_detail", task_id=task.pk)
+    refused = _refused(request, task, "edit")
+    if refused:
+        return refused
+    task_type = _task_types()[task.type]
     if request.method == "GET":
         return render(request, "orchestrator/task_edit.html", _edit_form_context(task, task_type))
     if "confirm" in request.POST:
@@ -730,7 +716,7 @@ def task_clone(request, task_id: int):
 
 def _rollback_preview(request, task: Task, version: int, status: int = 200):
     try:
-        preview = revisions.preview_rollback(task, version)
+        preview = revisions.preview_rollback(task, version, request.user)
     except states.InvalidTransition as exc:
         messages.error(request, str(exc))
         return redirect("task_detail", task_id=task.pk)
@@ -749,8 +735,9 @@ def task_rollback(request, task_id: int, version: int):
     effects performed after it, which are not undone), then confirm."""
     require_operator(request)
     task = get_task(task_id)
-    if task.status != TaskStatus.PAUSED:
-        return _not_paused(request, task, "be rolled back")
+    refused = _refused(request, task, "rollback")
+    if refused:
+        return refused
     if request.method == "GET":
         return _rollback_preview(request, task, version)
     try:

@@ -9,6 +9,7 @@ from orchestrator.models import (
     ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, Snapshot, Step,
     Task, TaskEvent, WalEntry,
 )
+from tests.support.controls import visible_controls
 
 ALL_MODELS = [Task, Step, WalEntry, Snapshot, TaskEvent, IdempotencyRecord, AuditEntry, ApiToken, DemoSource,
               DemoDestination, DemoContractExtraction]
@@ -224,7 +225,7 @@ def test_operator_pauses_and_resumes_a_queued_task(client, operator, task):
     assert task.status == "paused"
     body = response.content.decode()
     assert f"Task #{task.pk} paused." in body
-    assert 'data-testid="btn-resume"' in body and 'data-testid="btn-pause"' not in body
+    assert {"resume", "stop", "terminate", "edit"} <= visible_controls(body) and "pause" not in visible_controls(body)
     assert AuditEntry.objects.filter(task=task, action="task.pause", actor=operator).exists()
 
     client.post(control_url(task.pk), {"action": "resume"})
@@ -240,7 +241,7 @@ def test_pausing_a_completed_task_is_refused_with_a_message(client, operator, ta
     assert response.status_code == 200
     body = response.content.decode()
     assert "message-error" in body
-    assert f"Task #{task.pk} is completed; it cannot become paused." in body
+    assert f"Task #{task.pk} is completed; a finished task cannot be paused." in body
     task.refresh_from_db()
     assert task.status == "completed"
     assert 'data-testid="btn-stop"' not in body

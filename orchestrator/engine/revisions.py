@@ -23,7 +23,7 @@ from django.db import transaction
 from ..models import Snapshot, Step, StepStatus, Task, TaskStatus as S, WalEntry, WalStatus
 from ..tasktypes import get_type
 from ..tools.base import ToolError, get_tool
-from . import scheduler, states
+from . import actions, scheduler, states
 from .checkpoint import snapshot_now, step_row
 from .events import append_event
 
@@ -103,16 +103,11 @@ def _confirm_repeats(task: Task, preview: Preview, repeat_effects, *, actor, ip)
                   after={"idempotency_key": effect["idempotency_key"], "step": effect["step"], "tool": effect["tool"]})
 
 
-def _require_paused(task: Task, what: str) -> None:
-    if task.status != S.PAUSED:
-        raise states.InvalidTransition(task, S.QUEUED, f"Task #{task.pk} is {task.status}; pause it before you {what}.")
-
-
 # --- parameter edits ------------------------------------------------------------------------
 
-def preview_edit(task: Task, new_params: dict) -> tuple[Preview, list]:
+def preview_edit(task: Task, new_params: dict, actor=None) -> tuple[Preview, list]:
     """The impact of replacing `task.params` by `new_params` (already validated)."""
-    _require_paused(task, "edit its parameters")
+    actions.require(task, "edit", actor)
     old = task.params
     changed = {k for k in set(old) | set(new_params) if old.get(k) != new_params.get(k)}
     preview = Preview(task_id=task.pk, version=task.event_seq,
@@ -144,7 +139,7 @@ def apply_edit(*, task_id: int, new_params: dict, expected_version: int | None, 
                repeat_effects: list[str] | None = None, actor=None, ip=None) -> Preview:
     with transaction.atomic():
         task = states.lock_task(task_id)
-        preview, new_specs = preview_edit(task, new_params)
+        preview, new_specs = preview_edit(task, new_params, actor)
         _check_fresh(task, expected_version)
         _confirm_repeats(task, preview, repeat_effects, actor=actor, ip=ip)
         before = {"params": task.params, "limits": task.limits, "checkpoint_version": task.checkpoint_version}
@@ -200,8 +195,8 @@ def _rewrite_plan(task: Task, specs, *, keep: set[str]) -> None:
 
 # --- rollback ---------------------------------------------------------------------------------
 
-def preview_rollback(task: Task, version: int) -> Preview:
-    _require_paused(task, "roll it back")
+def preview_rollback(task: Task, version: int, actor=None) -> Preview:
+    actions.require(task, "rollback", actor)
     snapshot = Snapshot.objects.filter(task=task, version=version).first()
     if snapshot is None:
         kept = list(Snapshot.objects.filter(task=task).order_by("version").values_list("version", flat=True))
@@ -232,7 +227,7 @@ def apply_rollback(*, task_id: int, version: int, expected_version: int | None,
                    repeat_effects: list[str] | None = None, actor=None, ip=None) -> Preview:
     with transaction.atomic():
         task = states.lock_task(task_id)
-        preview = preview_rollback(task, version)
+        preview = preview_rollback(task, version, actor)
         _check_fresh(task, expected_version)
         _confirm_repeats(task, preview, repeat_effects, actor=actor, ip=ip)
         snapshot = Snapshot.objects.get(task=task, version=version)

@@ -469,7 +469,7 @@ class Runner:
             return S.PAUSED
         limit = self.limit_reached()
         if limit:
-            states.transition(task, S.PAUSED, reason=f"limit: {limit}", **released)
+            states.transition(task, S.PAUSED, reason=f"limit: {limit}", paused_by_limit=limit, **released)
             return S.PAUSED
         # Time slice used up, or nothing runnable right now: hand the task to the next
         # worker through the queue (it keeps status running; the lease is released).

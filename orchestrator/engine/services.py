@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..conf import harness
 from ..models import AuditEntry, Task, TaskStatus as S
 from ..tasktypes import get_type
-from . import scheduler, states
+from . import actions, scheduler, states
 from .events import append_event
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ def _request_control(task_id: int, control: str, *, target: str, actor, ip, reas
         task = states.lock_task(task_id)
         if task.control == control or task.status == target:
             return task  # a repeated request is harmless
+        actions.require(task, control, actor)
         if task.status in (S.RUNNING, S.PAUSING, S.STOPPING) and task.lease_owner:
             intermediate = {"pause": S.PAUSING, "stop": S.STOPPING, "terminate": task.status}[control]
             if intermediate != task.status:
@@ -125,23 +126,18 @@ def task_terminate(*, task_id: int, actor=None, ip=None, reason: str = "") -> Ta
 
 def task_resume(*, task_id: int, limits: dict | None = None, actor=None, ip=None, reason: str = "") -> Task:
     """Continue a paused task from its checkpoint on any worker, optionally with raised
-    limits (a task paused by `limit: max_seconds` continues once the limit is raised)."""
+    limits (a task paused by a limit continues once that limit is raised)."""
     with transaction.atomic():
         task = states.lock_task(task_id)
         if task.status in (S.QUEUED, S.RUNNING) and not limits:
-            return task
-        if task.status not in (S.PAUSED, S.NEEDS_HUMAN):
-            why = {S.AWAITING_REVIEW: " It continues by itself once its review items are decided."}.get(task.status, "")
-            raise states.InvalidTransition(
-                task, S.QUEUED, f"Task #{task.pk} is {task.status}; only a paused task or one that needs a human "
-                                f"can be resumed.{why}")
+            return task  # a repeated request is harmless
         before = {"status": task.status, "limits": task.limits}
+        new_limits = task.limits
         if limits:
-            task.limits = {**task.limits, **validate_limits({**task.limits, **limits})}
-        if task.status_reason.startswith("limit: ") and not _limit_raised(task):
-            limit = task.status_reason.removeprefix("limit: ")
-            raise states.InvalidTransition(
-                task, S.QUEUED, f"Task #{task.pk} paused because {limit} ran out; raise {limit} to resume it.")
+            actions.require(task, "resume", actor, limits={})  # the state first, whatever the limits
+            new_limits = {**task.limits, **validate_limits({**task.limits, **limits})}
+        actions.require(task, "resume", actor, limits=new_limits)
+        task.limits = new_limits
         states.transition(task, S.QUEUED, reason=reason or "resumed by an operator", actor=actor, ip=ip,
                           action="task.resume", control="", lease_owner="",
                           recovery_attempts=0 if task.status == S.NEEDS_HUMAN else task.recovery_attempts)
@@ -149,16 +145,6 @@ def task_resume(*, task_id: int, limits: dict | None = None, actor=None, ip=None
             audit(action="task.limits", actor=actor, ip=ip, task=task, before=before, after={"limits": task.limits})
         scheduler.enqueue(task.pk)
     return task
-
-
-def _limit_raised(task: Task) -> bool:
-    """Whether the limit that paused the task has room again."""
-    limit = task.status_reason.removeprefix("limit: ")
-    value = task.limits.get(limit)
-    if value is None:
-        return True
-    used = {"max_steps": task.steps_done, "max_tokens": task.tokens_used, "max_seconds": task.active_seconds}
-    return limit not in used or used[limit] < value
 
 
 def task_skip_step(*, task_id: int, step_id: str, reason: str, actor=None, ip=None) -> list[str]:
@@ -172,9 +158,7 @@ def task_skip_step(*, task_id: int, step_id: str, reason: str, actor=None, ip=No
         raise InvalidInput([FieldError("reason", "a reason is required: say why the task can go on without it")])
     with transaction.atomic():
         task = states.lock_task(task_id)
-        if task.status != S.NEEDS_HUMAN:
-            raise states.InvalidTransition(task, S.QUEUED, f"Task #{task.pk} is {task.status}; a step can be skipped "
-                                                           f"only while the task needs a human.")
+        actions.require(task, "skip_step", actor)
         step = Step.objects.filter(task=task, step_id=step_id).first()
         if step is None:
             raise InvalidInput([FieldError("step_id", f"task #{task.pk} has no step {step_id!r}")])

@@ -68,6 +68,7 @@ def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | N
         task.control = ""
     if to not in (S.QUEUED, S.RUNNING):
         task.recovering_since = None  # a recovery in progress ends when the task settles elsewhere
+    task.paused_by_limit = ""  # set (in `fields`) only by the runner's pause for a limit
     for name, value in fields.items():
         setattr(task, name, value)
     task.save()

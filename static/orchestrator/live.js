@@ -11,31 +11,16 @@
  * server-rendered page, so a page load followed by a connect has no gap; a reconnect resumes
  * from the last event seen.
  *
- * Control buttons are rendered by the server, for operators only: this script hides and
- * re-shows them as the status changes, and never creates one.
+ * Control buttons are rendered by the server, for operators only, from engine/actions.py;
+ * each `state` carries the same answer (`actions`: [{name, allowed, reason}], and
+ * `controls_note`): this script hides and re-shows the controls (`[data-action=<name>]`)
+ * from it, decides nothing itself, and never creates one.
  */
 (function () {
   "use strict";
 
   var MIN_DELAY = 500;   // first reconnect delay (ms)
   var MAX_DELAY = 5000;  // reconnect delay cap (ms)
-
-  // --- which controls apply: mirrors views.control_actions and engine/states.TRANSITIONS ----
-  var TERMINAL = { completed: 1, failed: 1, stopped: 1, terminated: 1 };
-  var CAN_STOP = { queued: 1, running: 1, pausing: 1, paused: 1, awaiting_review: 1, needs_human: 1 };
-  var CAN_TERMINATE = { queued: 1, running: 1, pausing: 1, paused: 1, stopping: 1, awaiting_review: 1,
-                        needs_human: 1 };
-  var ACTIONS = ["stop", "pause", "resume", "skip-step", "terminate"];
-
-  function controlActions(status, control) {
-    return {
-      pause: (status === "running" || status === "queued") && control !== "pause",
-      resume: status === "paused" || status === "needs_human",
-      "skip-step": status === "needs_human",
-      stop: !!CAN_STOP[status],
-      terminate: !!CAN_TERMINATE[status]
-    };
-  }
 
   // --- small helpers ---------------------------------------------------------------------
   function qs(selector, root) { return (root || document).querySelector(selector); }
@@ -369,41 +354,38 @@
           show(badge, false);
         }
       }
-      updateControls(status, header.getAttribute("data-control") || "");
     }
 
-    // Hide (never create) the server-rendered control buttons that no longer apply.
-    function updateControls(status, control) {
+    // Show the server-rendered controls the server allows now, hide the others (the page's
+    // [data-action] elements: the controls box and the snapshots' rollback buttons). An
+    // allowed control the page was rendered without (e.g. Skip step, whose form lists the
+    // steps) asks for a reload.
+    function updateControls(actions, controlsNote, status) {
       var box = qs(tid("controls"), header);
-      if (!box) return;  // not an operator: no buttons were rendered
-      var wanted = controlActions(status, control);
-      var visible = 0, missing = false;
-      ACTIONS.forEach(function (action) {
-        var button = qs(tid("btn-" + action), box);
-        if (!button) { if (wanted[action]) missing = true; return; }
-        show(button.closest("form") || button, wanted[action]);
-        if (wanted[action]) visible += 1;
+      if (!box || !actions) return;  // not an operator: no controls were rendered
+      var missing = false;
+      actions.forEach(function (action) {
+        var nodes = qsa('[data-action="' + action.name + '"]');
+        if (!nodes.length && action.allowed) missing = true;
+        nodes.forEach(function (node) { show(node, action.allowed); });
       });
+      // What the last `state` allowed (read by the tests).
+      box.setAttribute("data-live-actions", actions.filter(function (a) { return a.allowed; })
+        .map(function (a) { return a.name; }).join(" "));
       var note = qs('[data-live="controls-note"]', box);
-      var text = "";
-      if (TERMINAL[status]) text = "This task has finished; it cannot be controlled.";
-      else if (missing) text = "The task is " + status + ": reload the page for its controls.";
-      else if (!visible) text = "No control applies while the task is " + status + ".";
-      if (!note && text) {
+      if (!note) {
         note = el("span", { className: "muted small", "data-live": "controls-note" });
         box.appendChild(note);
       }
-      if (note) {
-        if (missing && !TERMINAL[status]) {
-          note.textContent = "";
-          note.appendChild(document.createTextNode("The task is " + status + ": "));
-          note.appendChild(el("a", { href: window.location.pathname, text: "reload for its controls" }));
-          note.appendChild(document.createTextNode("."));
-        } else {
-          setText(note, text);
-        }
-        show(note, !!text);
+      if (missing) {
+        note.textContent = "";
+        note.appendChild(document.createTextNode("The task is " + status + ": "));
+        note.appendChild(el("a", { href: window.location.pathname, text: "reload for its controls" }));
+        note.appendChild(document.createTextNode("."));
+      } else {
+        setText(note, controlsNote || "");
       }
+      show(note, missing || !!controlsNote);
     }
 
     // steps ------------------------------------------------------------------------------
@@ -580,6 +562,7 @@
     function applyState(state) {
       stateSeq = toInt(state.seq, 0);
       setStatus(state.status, state.status_reason || "", state.control || "");
+      updateControls(state.actions, state.controls_note, state.status);
       setProgress(qs(tid("progress"), header), state.steps_done, state.steps_total, state.progress_percent, state.status);
       setCount("steps", state.steps_done + " / " + state.steps_total);
       setCount("tokens", state.tokens_used);

@@ -87,7 +87,8 @@ def test_operator_edits_the_rate_of_a_paused_task_and_it_finishes_live(stack, ne
     expect(page.get_by_test_id("message")).to_contain_text("parameters edited (rate)")
     expect(header.get_by_test_id("task-status")).to_have_text("queued")
     expect(page.get_by_test_id("params")).to_contain_text('"rate": 2.0')
-    expect(page.get_by_test_id("btn-edit")).to_have_count(0)  # only for a paused task
+    expect(page.get_by_test_id("btn-edit")).to_be_hidden()  # only for a paused task
+    expect(page.get_by_test_id("btn-rollback")).to_have_count(0)
     expect(page.get_by_test_id("live-indicator")).to_have_text("live")
     page.evaluate(MARK)
 

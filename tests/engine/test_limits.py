@@ -32,10 +32,12 @@ def done_steps(task: Task) -> int:
 def test_max_steps_pauses_then_resumes_after_raising():
     task = run(create({"max_steps": 2, "max_subtasks": 1}, steps=5))
     assert (task.status, task.status_reason) == ("paused", "limit: max_steps")
+    assert task.paused_by_limit == "max_steps"  # the field says so, not only the reason text
     assert done_steps(task) == 2
     with pytest.raises(InvalidTransition, match="raise max_steps"):
         services.task_resume(task_id=task.pk)
     services.task_resume(task_id=task.pk, limits={"max_steps": 10})
+    assert Task.objects.get(pk=task.pk).paused_by_limit == ""  # cleared on resume
     task = run(task)
     assert task.status == "completed" and done_steps(task) == 5
     assert all(s.attempts == 1 for s in Step.objects.filter(task=task))  # kept, not redone
@@ -43,7 +45,7 @@ def test_max_steps_pauses_then_resumes_after_raising():
 
 def test_max_tokens_pauses_then_resumes_after_raising():
     task = run(create({"max_tokens": 25, "max_subtasks": 1}, steps=4, tokens_per_step=10))
-    assert (task.status, task.status_reason) == ("paused", "limit: max_tokens")
+    assert (task.status, task.status_reason, task.paused_by_limit) == ("paused", "limit: max_tokens", "max_tokens")
     assert task.tokens_used == 30 and done_steps(task) == 3
     services.task_resume(task_id=task.pk, limits={"max_tokens": 100})
     task = run(task)
@@ -52,7 +54,7 @@ def test_max_tokens_pauses_then_resumes_after_raising():
 
 def test_max_seconds_pauses_and_paused_time_does_not_count():
     task = run(create({"max_seconds": 0.5, "max_subtasks": 1}, steps=6, seconds=0.2))
-    assert (task.status, task.status_reason) == ("paused", "limit: max_seconds")
+    assert (task.status, task.status_reason, task.paused_by_limit) == ("paused", "limit: max_seconds", "max_seconds")
     assert 1 <= done_steps(task) < 6
     active = task.active_seconds
     assert 0.5 <= active < 1.5
@@ -64,7 +66,7 @@ def test_max_seconds_pauses_and_paused_time_does_not_count():
 
 def test_max_subtasks_pauses_the_step_that_spawns_too_many_and_resumes_after_raising():
     task = run(create({"max_subtasks": 2}, steps=1, subtasks=3, url="spawn"))
-    assert (task.status, task.status_reason) == ("paused", "limit: max_subtasks")
+    assert (task.status, task.status_reason, task.paused_by_limit) == ("paused", "limit: max_subtasks", "max_subtasks")
     assert done_steps(task) == 0
     services.task_resume(task_id=task.pk, limits={"max_subtasks": 3})
     task = run(task)

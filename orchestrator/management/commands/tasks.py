@@ -126,6 +126,7 @@ class Command(BaseCommand):
         self.stdout.write(f"task #{task.pk} {task.type}  status={task.status}  {task.status_reason}")
         self.stdout.write(f"progress {task.steps_done}/{task.steps_total}  checkpoint v{task.checkpoint_version}  "
                           f"params {json.dumps(task.params)}")
+        self.stdout.write("actions " + (", ".join(a.name for a in out.actions if a.allowed) or "none"))
         for step in out.steps:
             took = f"{step.duration_seconds:.2f}s" if step.duration_seconds is not None else ""
             self.stdout.write(f"  {step.id:<24} {step.status:<8} attempts={step.attempts} {took}")
