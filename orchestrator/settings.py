@@ -88,7 +88,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
-                "orchestrator.views.nav_context",
+                "orchestrator.web.access.nav_context",
             ],
         },
     },

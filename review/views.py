@@ -17,7 +17,7 @@ from django.views.decorators.http import require_GET, require_http_methods
 from orchestrator import roles
 from orchestrator.engine.services import InvalidInput
 from orchestrator.models import Step
-from orchestrator.views import client_ip, viewer_required
+from orchestrator.web.access import client_ip, viewer_required
 
 from . import selectors, services
 from .models import Decision, ReviewItem, ReviewStatus

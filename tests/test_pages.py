@@ -339,7 +339,7 @@ def test_form_fields_cover_the_schema_types():
 
     from pydantic import BaseModel, Field
 
-    from orchestrator.views import param_fields
+    from orchestrator.web.forms import param_fields
 
     class Params(BaseModel):
         dry_run: bool = Field(True, description="Only pretend")

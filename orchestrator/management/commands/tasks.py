@@ -113,7 +113,7 @@ class Command(BaseCommand):
             self.stdout.write(f"task #{task.pk}: {task.status}" + (f" (control: {task.control})" if task.control else ""))
 
     def show(self, task_id: int, *, as_json: bool) -> None:
-        from orchestrator.api import task_out
+        from orchestrator.api.presenters import task_out
 
         try:
             task = selectors.task_detail(task_id)

@@ -1,0 +1,93 @@
+"""The API's errors: the exceptions its endpoints raise, and the handlers that answer every
+error (ours, ninja's, Django's, the engine's and the review queue's) as `{"detail", "errors"}`."""
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
+from ninja import NinjaAPI
+from ninja.errors import AuthenticationError, HttpError, ValidationError as NinjaValidationError
+
+from ..engine import services
+from ..engine.states import InvalidTransition
+from review import services as review_services
+
+
+class NotAuthenticated(Exception):
+    """401: no credentials, or a bearer token that authenticates nobody (the message says why)."""
+
+
+class CsrfFailed(Exception):
+    pass
+
+
+class Forbidden(Exception):
+    pass
+
+
+class NotFound(Exception):
+    pass
+
+
+def install(api: NinjaAPI) -> None:
+    """Register the error handlers on `api`."""
+    @api.exception_handler(services.InvalidInput)
+    def on_invalid_input(request, exc: services.InvalidInput):
+        return api.create_response(request, {"detail": "Invalid input: " + str(exc),
+                                             "errors": [e.__dict__ for e in exc.errors]}, status=422)
+
+    @api.exception_handler(NinjaValidationError)
+    def on_schema_error(request, exc: NinjaValidationError):
+        errors = [{"field": ".".join(str(p) for p in err.get("loc", ())[1:] or err.get("loc", ())),
+                   "message": err.get("msg", "invalid")} for err in exc.errors]
+        return api.create_response(request, {"detail": "Invalid input: " + "; ".join(
+            f"{e['field']}: {e['message']}" for e in errors), "errors": errors}, status=422)
+
+    @api.exception_handler(NotAuthenticated)
+    def on_not_authenticated(request, exc: NotAuthenticated):
+        response = api.create_response(request, {"detail": str(exc), "errors": []}, status=401)
+        response["WWW-Authenticate"] = 'Bearer error="invalid_token"'
+        return response
+
+    @api.exception_handler(AuthenticationError)
+    def on_no_credentials(request, exc: AuthenticationError):
+        response = api.create_response(request, {
+            "detail": "Authentication required: send 'Authorization: Bearer <token>' (create one with "
+                      "`manage.py apitoken USERNAME`) or log in at /accounts/login/.", "errors": []}, status=401)
+        response["WWW-Authenticate"] = "Bearer"
+        return response
+
+    @api.exception_handler(CsrfFailed)
+    def on_csrf_failed(request, exc: CsrfFailed):
+        return api.create_response(request, {"detail": str(exc), "errors": []}, status=403)
+
+    @api.exception_handler(RequestDataTooBig)
+    def on_request_too_big(request, exc: RequestDataTooBig):
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        return api.create_response(request, {
+            "detail": f"Request body too large: the limit is {limit} bytes ({limit / 1048576:.1f} MiB, "
+                      "setting ORCH_MAX_REQUEST_BYTES). Send less data per request.", "errors": []}, status=413)
+
+    @api.exception_handler(SuspiciousOperation)
+    def on_suspicious(request, exc: SuspiciousOperation):
+        return api.create_response(request, {"detail": f"Bad request: {exc}", "errors": []}, status=400)
+
+    @api.exception_handler(HttpError)
+    def on_http_error(request, exc: HttpError):
+        detail = str(exc)
+        if exc.status_code == 400 and detail.startswith("Cannot parse request body"):
+            detail = "Cannot parse the request body: send valid JSON with 'Content-Type: application/json'."
+        return api.create_response(request, {"detail": detail, "errors": []}, status=exc.status_code)
+
+    @api.exception_handler(InvalidTransition)
+    def on_invalid_transition(request, exc: InvalidTransition):
+        return api.create_response(request, {"detail": str(exc), "errors": []}, status=409)
+
+    @api.exception_handler(Forbidden)
+    def on_forbidden(request, exc: Forbidden):
+        return api.create_response(request, {"detail": str(exc), "errors": []}, status=403)
+
+    @api.exception_handler(NotFound)
+    def on_not_found(request, exc: NotFound):
+        return api.create_response(request, {"detail": str(exc), "errors": []}, status=404)
+
+    @api.exception_handler(review_services.ReviewClosed)
+    def on_review_closed(request, exc):
+        return api.create_response(request, {"detail": str(exc), "errors": []}, status=409)

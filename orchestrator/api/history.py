@@ -1,0 +1,54 @@
+"""A task's history: its WAL, kept snapshots, events (resumable by seq), audit trail, and
+everything at once as one JSON document (export)."""
+import json
+
+from django.core.serializers.json import DjangoJSONEncoder
+from ninja import Query, Router
+
+from .. import roles, selectors
+from ..models import AuditEntry, Snapshot, TaskEvent, WalEntry
+from .auth import require
+from .common import FOUND, MAX_ID, get_task, id_param, responses
+from .presenters import audit_out
+from .schemas import AuditOut, EventOut, SnapshotOut, WalOut
+
+router = Router(tags=["history"])
+
+
+@router.get("/tasks/{task_id}/wal", response=responses({200: list[WalOut]}, FOUND))
+def task_wal(request, task_id: int = id_param("a task id")):
+    require(request, roles.VIEWER)
+    task = get_task(task_id)
+    return list(WalEntry.objects.filter(task=task).order_by("id"))
+
+
+@router.get("/tasks/{task_id}/snapshots", response=responses({200: list[SnapshotOut]}, FOUND))
+def task_snapshots(request, task_id: int = id_param("a task id")):
+    require(request, roles.VIEWER)
+    task = get_task(task_id)
+    return list(Snapshot.objects.filter(task=task).order_by("-version"))
+
+
+@router.get("/tasks/{task_id}/events", response=responses({200: list[EventOut]}, FOUND))
+def task_events(request, task_id: int = id_param("a task id"), after: int = Query(0, ge=0, le=MAX_ID),
+                limit: int = Query(500, ge=1, le=MAX_ID, description="at most 5000 are returned")):
+    """Events with seq > `after`, oldest first (resume from the last seq you saw)."""
+    require(request, roles.VIEWER)
+    task = get_task(task_id)
+    return list(TaskEvent.objects.filter(task=task, seq__gt=after).order_by("seq")[:max(1, min(limit, 5000))])
+
+
+@router.get("/tasks/{task_id}/audit", response=responses({200: list[AuditOut]}, FOUND))
+def task_audit(request, task_id: int = id_param("a task id")):
+    require(request, roles.VIEWER)
+    task = get_task(task_id)
+    return [audit_out(a) for a in AuditEntry.objects.filter(task=task).order_by("at", "id")]
+
+
+@router.get("/tasks/{task_id}/export", response=responses({200: dict}, FOUND))
+def task_export(request, task_id: int = id_param("a task id")):
+    """Everything about a task in one JSON document (task, steps, WAL, last snapshot,
+    events, audit, reviews) — what a human needs to investigate a `needs_human` task."""
+    require(request, roles.VIEWER)
+    get_task(task_id)
+    return json.loads(json.dumps(selectors.task_export(task_id), cls=DjangoJSONEncoder))

@@ -1,0 +1,53 @@
+"""Output mappers: one per resource, from a model to the schema the API answers with (the
+CLI's `tasks show --json` uses task_out too)."""
+from ..engine import actions as task_actions
+from ..models import Task
+from .schemas import AuditOut, ReviewOut, StepOut, TaskOut, TaskSummaryOut, TaskTypeOut, WorkerOut
+
+
+def task_type_out(task_type) -> TaskTypeOut:
+    return TaskTypeOut(name=task_type.name, title=task_type.title, description=task_type.description,
+                       params_schema=task_type.params_schema())
+
+
+def task_summary_out(t: Task) -> TaskSummaryOut:
+    return TaskSummaryOut(
+        id=t.pk, type=t.type, title=t.title, status=t.status, status_reason=t.status_reason,
+        steps_done=t.steps_done, steps_total=t.steps_total, progress_percent=t.progress_percent,
+        created_at=t.created_at, updated_at=t.updated_at)
+
+
+def task_out(task: Task, user=None) -> dict:
+    """The task as the API shows it to `user` (None: the system, e.g. the CLI)."""
+    steps = [StepOut(id=s.step_id, title=s.title, status=s.status, depends_on=s.depends_on, reads=s.reads,
+                     attempts=s.attempts, started_at=s.started_at, finished_at=s.finished_at,
+                     duration_seconds=s.duration_seconds, error=s.error, result=s.result)
+             for s in task.steps.all()]
+    running = task.status in ("running", "pausing", "stopping") and task.lease_owner
+    return TaskOut(
+        id=task.pk, type=task.type, title=task.title, status=task.status, status_reason=task.status_reason,
+        steps_done=task.steps_done, steps_total=task.steps_total, progress_percent=task.progress_percent,
+        created_at=task.created_at, updated_at=task.updated_at, params=task.params, limits=task.limits,
+        counters={"steps_done": task.steps_done, "steps_total": task.steps_total, "tokens_used": task.tokens_used,
+                  "active_seconds": round(task.active_seconds, 3), "recovery_attempts": task.recovery_attempts},
+        checkpoint_version=task.checkpoint_version, event_seq=task.event_seq, heartbeat_at=task.heartbeat_at,
+        worker=WorkerOut(host=task.worker_host, pid=task.worker_pid) if running else None, error=task.error,
+        started_at=task.started_at, finished_at=task.finished_at, control=task.control,
+        control_requested_at=task.control_requested_at, control_acknowledged_at=task.control_acknowledged_at,
+        activities=task.activities, paused_by_limit=task.paused_by_limit,
+        actions=task_actions.as_list(task_actions.available(task, user)), steps=steps)
+
+
+def audit_out(a) -> AuditOut:
+    return AuditOut(id=a.pk, at=a.at, actor=a.actor_name, ip=a.ip, action=a.action, before=a.before,
+                    after=a.after, reason=a.reason)
+
+
+def review_out(item) -> ReviewOut:
+    entry = item.wal_entry
+    return ReviewOut(
+        id=item.pk, task_id=item.task_id, task_type=item.task.type, task_status=item.task.status, status=item.status,
+        reason=item.reason, dead_worker=item.dead_worker, detected_at=item.detected_at, step_id=entry.step_id,
+        tool=entry.tool, args=entry.args, idempotency_key=entry.idempotency_key, intent_written_at=entry.created_at,
+        wal_status=entry.status, evidence=item.evidence, decision=item.decision, decision_result=item.decision_result,
+        note=item.note, decided_by=item.decided_by.username if item.decided_by else None, decided_at=item.decided_at)

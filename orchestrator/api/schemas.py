@@ -1,0 +1,226 @@
+"""The API's input and output schemas (they are the OpenAPI schema's components)."""
+from datetime import datetime
+from typing import Any, Literal
+
+from ninja import Field, Schema
+
+from ..engine import actions as task_actions
+from ..tasktypes import all_types
+from review.models import Decision
+
+
+class FieldErrorOut(Schema):
+    field: str
+    message: str
+
+
+class ErrorOut(Schema):
+    detail: str
+    errors: list[FieldErrorOut] = []
+
+
+class TaskTypeOut(Schema):
+    name: str
+    title: str
+    description: str
+    params_schema: dict
+
+
+def _enum(values):
+    """Enumerate `values()` in the OpenAPI schema (read when the schema is built); the
+    services still validate the value, with a message naming the valid ones."""
+    return lambda schema: schema.update(enum=sorted(values()))
+
+
+def task_type_names():
+    return list(all_types())
+
+
+class TaskCreateIn(Schema):
+    type: str = Field(..., description="a task type (GET /api/task-types)", json_schema_extra=_enum(task_type_names))
+    params: dict[str, Any] = {}
+    limits: dict[str, Any] | None = None
+    title: str = ""
+
+
+class WorkerOut(Schema):
+    host: str
+    pid: int | None
+
+
+class StepOut(Schema):
+    id: str
+    title: str
+    status: str
+    depends_on: list[str]
+    reads: list[str]
+    attempts: int
+    started_at: datetime | None
+    finished_at: datetime | None
+    duration_seconds: float | None
+    error: str
+    result: Any = None
+
+
+class TaskSummaryOut(Schema):
+    id: int
+    type: str
+    title: str
+    status: str
+    status_reason: str
+    steps_done: int
+    steps_total: int
+    progress_percent: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class ActionOut(Schema):
+    name: Literal[task_actions.NAMES] = Field(..., description="an action on the task: " + ", ".join(task_actions.NAMES))
+    allowed: bool = Field(..., description="whether you may take it now")
+    reason: str = Field(..., description="why not (empty when allowed)")
+
+
+class TaskOut(TaskSummaryOut):
+    params: dict
+    limits: dict
+    counters: dict
+    checkpoint_version: int
+    event_seq: int
+    heartbeat_at: datetime | None
+    worker: WorkerOut | None
+    error: str
+    started_at: datetime | None
+    finished_at: datetime | None
+    control: str
+    control_requested_at: datetime | None
+    control_acknowledged_at: datetime | None
+    activities: list[dict]
+    paused_by_limit: str = Field(..., description="the limit that paused the task (raise it to resume), or empty")
+    actions: list[ActionOut] = Field(..., description="what the caller may do to the task now, and why not")
+    steps: list[StepOut]
+
+
+class TaskPageOut(Schema):
+    items: list[TaskSummaryOut]
+    next_before: int | None
+
+
+class WalOut(Schema):
+    id: int
+    step_id: str
+    call_index: int
+    tool: str
+    args: Any
+    idempotency_key: str
+    idempotent: bool
+    status: str
+    result: Any
+    error: str
+    lease_epoch: int
+    worker: str
+    created_at: datetime
+    completed_at: datetime | None
+
+
+class SnapshotOut(Schema):
+    version: int
+    step_id: str
+    state: dict
+    created_at: datetime
+
+
+class EventOut(Schema):
+    seq: int
+    kind: str
+    payload: dict
+    created_at: datetime
+
+
+class AuditOut(Schema):
+    id: int
+    at: datetime
+    actor: str
+    ip: str | None
+    action: str
+    before: Any
+    after: Any
+    reason: str
+
+
+class ControlIn(Schema):
+    reason: str = ""
+
+
+class SkipStepIn(Schema):
+    step_id: str = Field(..., min_length=1, max_length=200)
+    reason: str = Field(..., min_length=1, max_length=500, description="Why the task can go on without the step")
+
+
+class ResumeIn(ControlIn):
+    params: dict[str, Any] | None = None
+    limits: dict[str, Any] | None = None
+    dry_run: bool = False
+    expected_version: int | None = None
+    repeat_effects: list[str] | None = Field(None, description=(
+        "Idempotency keys of the non-idempotent side effects the edit performs again (the "
+        "preview's `must_confirm`), each confirmed explicitly; without them the edit is refused (409)."))
+
+
+class PreviewOut(Schema):
+    task_id: int
+    version: int
+    param_diff: dict
+    kept: list[str]
+    rerun: list[str]
+    removed: list[str]
+    pending: list[str]
+    repeated_effects: list[dict]
+    must_confirm: list[str]
+    effects_after: list[dict]
+    rollback_to: int | None
+
+
+class RevisionOut(Schema):
+    applied: bool
+    preview: PreviewOut | None
+    task: TaskOut
+
+
+class RollbackIn(Schema):
+    version: int
+    dry_run: bool = False
+    expected_version: int | None = None
+    repeat_effects: list[str] | None = Field(None, description=(
+        "Idempotency keys of the non-idempotent side effects the rollback performs again (the "
+        "preview's `must_confirm`); without them the rollback is refused (409)."))
+
+
+class ReviewOut(Schema):
+    id: int
+    task_id: int
+    task_type: str
+    task_status: str
+    status: str
+    reason: str
+    dead_worker: str
+    detected_at: datetime
+    step_id: str
+    tool: str
+    args: Any
+    idempotency_key: str
+    intent_written_at: datetime
+    wal_status: str
+    evidence: Any
+    decision: str
+    decision_result: Any
+    note: str
+    decided_by: str | None
+    decided_at: datetime | None
+
+
+class DecideIn(Schema):
+    decision: str = Field(..., json_schema_extra=_enum(lambda: Decision.values),
+                          description="; ".join(f"`{v}`: {label}" for v, label in Decision.choices))
+    note: str = ""
+    result: Any = None

@@ -1,0 +1,1 @@
+"""The server-rendered pages (the operator dashboard); orchestrator.urls routes to them."""

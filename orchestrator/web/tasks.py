@@ -1,0 +1,197 @@
+"""The task pages: the task list, the create form, the task page and its controls (pause,
+stop, force-terminate, resume, skip a step).
+
+Thin, like the API: views read through selectors, write through engine.services, and
+check roles (orchestrator.roles). Every page needs a logged-in user with a role.
+"""
+from urllib.parse import urlencode
+
+from django.contrib import messages
+from django.http import Http404, HttpResponseBadRequest
+from django.shortcuts import redirect, render
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from .. import selectors
+from ..engine import actions as task_actions, services, states
+from ..models import Task, TaskStatus
+from .access import client_ip, get_task, require_operator, task_types, viewer_required
+from .forms import attach_errors, json_text, limit_fields, param_fields, read_form
+from .snapshots import snapshot_history
+
+STEP_ROWS_SHOWN = 2000
+WAL_ROWS_SHOWN = 500
+EVENTS_SHOWN = 200
+
+
+@require_GET
+@viewer_required
+def task_list(request):
+    status = request.GET.get("status", "").strip()
+    type_name = request.GET.get("type", "").strip()
+    text = request.GET.get("q", "").strip()
+    try:
+        before = int(request.GET.get("before") or 0) or None
+    except ValueError:
+        before = None
+    qs = selectors.task_list(status=status, type=type_name, text=text)
+    tasks, next_before = selectors.task_page(qs, before=before)
+
+    filters = {k: v for k, v in (("status", status), ("type", type_name), ("q", text)) if v}
+    types = task_types()
+    type_names = sorted(set(types) | ({type_name} if type_name else set()))
+    for task in tasks:
+        task.type_title = types[task.type].title if task.type in types else ""
+    return render(request, "orchestrator/task_list.html", {
+        "tasks": tasks,
+        "next_before": next_before,
+        "before": before,
+        "filters": filters,
+        "filter_query": urlencode(filters),
+        "status": status,
+        "type_name": type_name,
+        "q": text,
+        "statuses": TaskStatus.values,
+        "type_names": type_names,
+    })
+
+
+@require_http_methods(["GET", "POST"])
+@viewer_required
+def task_new(request):
+    require_operator(request)
+    types = task_types()
+    data = request.POST if request.method == "POST" else request.GET
+    type_name = data.get("type", "").strip()
+    task_type = types.get(type_name)
+    context = {"types": types, "type_name": type_name, "task_type": task_type, "general_errors": [],
+               "title": ""}
+    if task_type is None:
+        if type_name:
+            context["general_errors"].append(f"Unknown task type {type_name!r}; choose one below.")
+        return render(request, "orchestrator/task_new.html", context,
+                      status=422 if request.method == "POST" else 200)
+
+    fields = param_fields(task_type.params_schema())
+    limits = limit_fields()
+    context.update(fields=fields, limit_fields=limits)
+    if request.method == "GET":
+        return render(request, "orchestrator/task_new.html", context)
+
+    params, limit_values, errors = read_form(type_name, fields, limits, request.POST)
+    title = request.POST.get("title", "").strip()
+    context["title"] = title
+    if not errors and not any(f["errors"] for f in fields + limits):
+        try:
+            task = services.task_create(type=type_name, params=params, limits=limit_values, title=title,
+                                        actor=request.user, ip=client_ip(request))
+        except services.InvalidInput as exc:
+            errors = exc.errors
+        else:
+            messages.success(request, f"Task #{task.pk} created and queued.")
+            return redirect("task_detail", task_id=task.pk)
+    context["general_errors"] = attach_errors(errors, fields + limits)
+    context["limits_open"] = any(f["errors"] or f["value"] for f in limits)
+    return render(request, "orchestrator/task_new.html", context, status=422)
+
+
+@require_GET
+@viewer_required
+def task_detail(request, task_id: int):
+    task = get_task(task_id)
+    now = timezone.now()
+    steps_total = task.steps.count()
+    steps = list(task.steps.all()[:STEP_ROWS_SHOWN])
+    wal_total = task.wal_entries.count()
+    wal = list(task.wal_entries.order_by("-id")[:WAL_ROWS_SHOWN])
+    events = list(task.events.order_by("-seq")[:EVENTS_SHOWN])
+    for event in events:
+        event.payload_json = json_text(event.payload)
+    for entry in wal:
+        entry.args_json = json_text(entry.args)
+    audit = list(task.audit_entries.select_related("actor").all()[:500])
+    actions = task_actions.available(task, request.user)
+    skippable = task_actions.skippable_steps(task) if actions["skip_step"].allowed else []
+    heartbeat_age = (now - task.heartbeat_at).total_seconds() if task.heartbeat_at else None
+    try:
+        type_title = task_types()[task.type].title
+    except KeyError:
+        type_title = ""
+    return render(request, "orchestrator/task_detail.html", {
+        "task": task,
+        "type_title": type_title,
+        "params_json": json_text(task.params, indent=2),
+        "limits": sorted(task.limits.items()) if isinstance(task.limits, dict) else [],
+        "heartbeat_age": heartbeat_age,
+        "steps": steps,
+        "steps_total": steps_total,
+        "wal": wal,
+        "wal_total": wal_total,
+        "snapshots": snapshot_history(list(task.snapshots.order_by("-version"))),
+        "events": events,
+        "audit": audit,
+        "actions": actions,
+        "controls_note": task_actions.controls_note(task, actions),
+        "skippable_steps": skippable,
+        "is_terminal": task.status in states.TERMINAL,
+    })
+
+
+CONTROL_SERVICES = {
+    "pause": (services.task_pause, "Pause requested for task #{id}.", "Task #{id} paused."),
+    "stop": (services.task_stop, "Stop requested for task #{id}.", "Task #{id} stopped."),
+    "terminate": (services.task_terminate, "Force-terminate requested for task #{id}.", "Task #{id} terminated."),
+    "resume": (services.task_resume, "Task #{id} resumed.", "Task #{id} resumed."),
+}
+
+
+@require_POST
+@viewer_required
+def task_control(request, task_id: int):
+    require_operator(request)
+    task = get_task(task_id)
+    action = request.POST.get("action", "")
+    if action not in CONTROL_SERVICES:
+        return HttpResponseBadRequest(f"Unknown action {action!r}; use one of: {', '.join(CONTROL_SERVICES)}.")
+    reason = request.POST.get("reason", "").strip()[:500]
+    back = request.POST.get("next") or ""
+    if not url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()},
+                                           require_https=request.is_secure()):
+        back = reverse("task_detail", kwargs={"task_id": task.pk})
+    if action == "terminate" and not reason:
+        messages.error(request, "Force-terminate needs a reason.")
+        return redirect(back)
+
+    service, requested, settled = CONTROL_SERVICES[action]
+    try:
+        task = service(task_id=task.pk, actor=request.user, ip=client_ip(request), reason=reason)
+    except states.InvalidTransition as exc:
+        messages.error(request, str(exc))
+    except Task.DoesNotExist:
+        raise Http404(f"There is no task #{task_id}.") from None
+    else:
+        final = {"pause": TaskStatus.PAUSED, "stop": TaskStatus.STOPPED,
+                 "terminate": TaskStatus.TERMINATED, "resume": None}[action]
+        template = settled if final is None or task.status == final else requested
+        messages.success(request, template.format(id=task.pk))
+    return redirect(back)
+
+
+@require_POST
+@viewer_required
+def task_skip_step(request, task_id: int):
+    """Skip one unfinished step of a task that needs a human (reason required), and go on."""
+    require_operator(request)
+    task = get_task(task_id)
+    step_id, reason = request.POST.get("step_id", ""), request.POST.get("reason", "").strip()[:500]
+    try:
+        skipped = services.task_skip_step(task_id=task.pk, step_id=step_id, reason=reason, actor=request.user,
+                                          ip=client_ip(request))
+    except (services.InvalidInput, states.InvalidTransition) as exc:
+        messages.error(request, f"Not skipped: {exc}")
+    else:
+        also = f" (and {len(skipped) - 1} step(s) that depend on it)" if len(skipped) > 1 else ""
+        messages.success(request, f"Task #{task.pk}: step {step_id} skipped{also}; the task continues.")
+    return redirect("task_detail", task_id=task.pk)
