@@ -52,7 +52,8 @@ def skip_step(request, body: SkipStepIn, task_id: int = id_param("a task id")):
 @router.post("/tasks/{task_id}/resume", response=responses({200: RevisionOut}, FOUND, BODY, {409: ErrorOut}))
 def resume_task(request, task_id: int = id_param("a task id"), body: ResumeIn | None = None):
     """Resume a paused task from its checkpoint. With `params`, the parameters are edited
-    first: `dry_run: true` returns the impact preview (which finished steps are kept, which
+    first — `params` holds the keys to change, merged over the current ones (a key not given
+    keeps its value; the pages and the CLI mean the same) — `dry_run: true` returns the impact preview (which finished steps are kept, which
     run again, which side effects that repeats) and changes nothing; applying it with the
     preview's `version` as `expected_version` is refused (409) if the task changed meanwhile,
     or if it would perform a non-idempotent effect again that `repeat_effects` does not
@@ -64,7 +65,7 @@ def resume_task(request, task_id: int = id_param("a task id"), body: ResumeIn | 
     body = body or ResumeIn()
     preview = None
     if body.params is not None:
-        new_params = services.validate_params(task.type, body.params)
+        new_params = revisions.edited_params(task, body.params)
         if body.dry_run:
             preview = revisions.preview_edit(task, new_params, request.auth)[0]
         else:

@@ -158,7 +158,9 @@ class SkipStepIn(Schema):
 
 
 class ResumeIn(ControlIn):
-    params: dict[str, Any] | None = None
+    params: dict[str, Any] | None = Field(None, description=(
+        "Parameters to change before resuming, merged over the task's current params: a key not "
+        "given keeps its value."))
     limits: dict[str, Any] | None = None
     dry_run: bool = False
     expected_version: int | None = None

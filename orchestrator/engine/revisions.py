@@ -105,6 +105,14 @@ def _confirm_repeats(task: Task, preview: Preview, repeat_effects, *, actor, ip)
 
 # --- parameter edits ------------------------------------------------------------------------
 
+def edited_params(task: Task, changes: dict) -> dict:
+    """The params an edit asks for, validated: `changes` are merged over the task's current
+    params (keys not given keep their values). The API, the pages and the CLI all mean this."""
+    from .services import validate_params
+
+    return validate_params(task.type, {**task.params, **(changes or {})})
+
+
 def preview_edit(task: Task, new_params: dict, actor=None) -> tuple[Preview, list]:
     """The impact of replacing `task.params` by `new_params` (already validated)."""
     actions.require(task, "edit", actor)

@@ -143,7 +143,7 @@ def _edit_confirm(request, task: Task, task_type):
     except ValueError as exc:
         return HttpResponseBadRequest(f"Confirm with the preview's hidden fields: {exc}.")
     try:
-        params = services.validate_params(task.type, params)
+        params = revisions.edited_params(task, params)
         services.validate_limits(limit_values)
     except services.InvalidInput as exc:
         context = _edit_form_context(task, task_type, params)

@@ -118,3 +118,17 @@ def test_apitoken_command_prints_a_working_token_last(client, operator, capsys):
     from orchestrator.models import ApiToken
 
     assert token not in {t.token_hash for t in ApiToken.objects.all()}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_resume_params_are_merged_over_the_current_ones(client, operator):
+    from orchestrator.engine.worker import drive_inline
+
+    task = services.task_create(type="demo.migrate_rows", params={"rows": 600, "batch_size": 100, "rate": 1.0},
+                                limits={"max_steps": 2, "max_subtasks": 1})
+    drive_inline(task.pk)
+    assert Task.objects.get(pk=task.pk).status == "paused"
+    response = client.post(f"/api/tasks/{task.pk}/resume", {"params": {"rate": 2.0}, "dry_run": True},
+                           content_type="application/json", **bearer(operator))
+    assert response.status_code == 200, response.content
+    assert response.json()["preview"]["param_diff"] == {"rate": [1.0, 2.0]}  # rows and batch_size kept

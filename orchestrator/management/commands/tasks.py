@@ -143,7 +143,7 @@ class Command(BaseCommand):
         """Edit params and resume, at the task's current version (or only preview it)."""
         task = self._task(task_id)
         try:
-            new_params = services.validate_params(task.type, {**task.params, **params})
+            new_params = revisions.edited_params(task, params)
             if limits:
                 services.validate_limits({**task.limits, **limits})
             preview, _ = revisions.preview_edit(task, new_params)
