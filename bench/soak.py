@@ -15,8 +15,13 @@ Faults (kind: what is done):
 - kill_executor: kill -9 of a running task's executor (Task.worker_pid);
 - kill_worker: kill -9 of the django-q2 worker process watching a running task's executor;
 - kill_cluster: kill -9 of a whole `qcluster` process group, restarted after a moment;
+- kill_executor_mid_send: the SMTP server takes the next message and holds its reply while
+  the sending task's executor is killed (the email arrived; nobody heard the 250);
+- kill_executor_before_data: the server holds its answer to the next RCPT TO while the
+  sender's executor is killed (the intent is written, nothing was sent);
 - smtp_drop_after_data / smtp_reply_late: the next message is taken and the connection
-  dropped before the reply / answered after EMAIL_TIMEOUT (counted when it fires);
+  dropped before the reply / answered after EMAIL_TIMEOUT (each SMTP fault is counted when
+  it fires);
 - broker_purge: the waiting messages of the Redis list `django_q:orchestrator:q` are deleted
   (counted only when it removed some);
 - redis_restart: kill -9 + restart of the private Redis (every few minutes; >= 1);
@@ -47,9 +52,11 @@ seconds of the fault phase), --seed (SOAK_SEED), --settle-timeout, --concurrency
 --workers, --json PATH (the summary as JSON), --keep (keep the run directory with the logs).
 """
 import argparse
+import asyncio
 import collections
 import json
 import os
+import queue
 import random
 import re
 import shutil
@@ -75,9 +82,12 @@ MIGRATE_RATE = 2.0  # one rate for every migrate task: they all write demo_desti
 EMAIL_TIMEOUT = 1.0
 LATE_SECONDS = 2.5
 RANDOM_KINDS = {  # weights of the randomly chosen faults; the restarts are scheduled
-    "kill_executor": 30, "kill_worker": 12, "kill_cluster": 6,
-    "smtp_drop_after_data": 17, "smtp_reply_late": 13, "broker_purge": 22,
+    "kill_executor": 24, "kill_executor_mid_send": 8, "kill_executor_before_data": 7, "kill_worker": 10,
+    "kill_cluster": 5, "smtp_drop_after_data": 14, "smtp_reply_late": 11, "broker_purge": 21,
 }
+# Faults armed on the SMTP server: counted when they fire on a message (the SMTP server's mode).
+SMTP_MODES = {"smtp_drop_after_data": "drop_after_data", "smtp_reply_late": "reply_late",
+              "kill_executor_mid_send": "kill_mid_send", "kill_executor_before_data": "kill_before_data"}
 SCHEDULED_KINDS = ("pg_restart", "redis_restart")
 ALL_KINDS = (*RANDOM_KINDS, *SCHEDULED_KINDS)
 
@@ -173,12 +183,22 @@ class SoakSmtp(SmtpServer):
     """The misbehaving server, its mode switched per message: `arm(mode)` makes the next
     message misbehave that way once. Keeps a log of (time, key, to) for every message taken."""
 
+    DATA_MODES = ("drop_after_data", "reply_late", "kill_mid_send")
+    RCPT_MODES = ("kill_before_data",)
+
     def __init__(self, port: int, on_fired):
         super().__init__(port)
         self.late_seconds = LATE_SECONDS
         self.armed: collections.deque = collections.deque()
         self.on_fired = on_fired
         self.log: list[tuple[float, str, str]] = []
+        self.kill_requests: queue.Queue = queue.Queue()  # (fault kind, recipient): kill its sender
+
+    def _take(self, modes) -> str:
+        with self.lock:
+            if self.armed and self.armed[0] in modes:
+                return self.armed.popleft()
+        return "ok"
 
     def arm(self, mode: str) -> None:
         with self.lock:
@@ -198,14 +218,24 @@ class SoakSmtp(SmtpServer):
         with self.lock:
             return {key for _, key, _ in self.log}
 
+    async def handle_RCPT(self, server, session, envelope, address, rcpt_options):
+        if self._take(self.RCPT_MODES) == "kill_before_data":
+            self.kill_requests.put(("kill_executor_before_data", address))
+            await asyncio.sleep(self.late_seconds)  # the sender dies waiting for this answer
+        return await super().handle_RCPT(server, session, envelope, address, rcpt_options)
+
     async def handle_DATA(self, server, session, envelope):
         message = message_from_bytes(envelope.content)
+        mode = self._take(self.DATA_MODES)
         with self.lock:
-            mode = self.armed.popleft() if self.armed else "ok"
             self.log.append((time.time(), message["X-Idempotency-Key"] or "", message["To"] or ""))
-        if mode != "ok":
+        if mode in ("drop_after_data", "reply_late"):
             self.on_fired(f"smtp_{mode}")
-        # The parent reads `mode` before its first await: this message gets this mode.
+        elif mode == "kill_mid_send":
+            self.kill_requests.put(("kill_executor_mid_send", message["To"] or ""))
+            mode = "reply_late"  # the sender dies waiting for the 250
+        # The parent reads `mode` before its first await: this message gets this mode. It
+        # logs the message too (`received`); `self.log` adds the time.
         self.mode = mode
         return await super().handle_DATA(server, session, envelope)
 
@@ -224,6 +254,7 @@ class Soak:
         self.review_anomalies: list[str] = []
         self.orphans_seen: set[int] = set()
         self.created = 0
+        self.rcpt_task: dict[str, int] = {}  # notify recipient -> task id
         self.stop_reviewer = threading.Event()
         self.down_clusters: dict[int, float] = {}  # index -> restart time
         self.run_dir = Path(tempfile.mkdtemp(prefix="orch-soak-"))
@@ -334,7 +365,9 @@ class Soak:
                       "rate": MIGRATE_RATE}
         else:
             params = {"stages": rng.randint(3, 5), "seconds_per_stage": round(rng.uniform(0.3, 0.8), 2)}
-        self.db(services.task_create, type=kind, params=params, title=f"soak {n}")
+        task = self.db(services.task_create, type=kind, params=params, title=f"soak {n}")
+        for address in params.get("recipients", ()):
+            self.rcpt_task[address] = task.pk
         self.created += 1
 
     def unfinished(self) -> int:
@@ -399,10 +432,10 @@ class Soak:
             self.clusters[index].kill()
             self.down_clusters[index] = time.monotonic() + self.rng.uniform(0.5, 3.0)
             return True
-        if kind in ("smtp_drop_after_data", "smtp_reply_late"):
+        if kind in SMTP_MODES:
             if self.smtp.pending() >= 2:
                 return False
-            self.smtp.arm(kind.removeprefix("smtp_"))
+            self.smtp.arm(SMTP_MODES[kind])
             return True  # counted when it fires
         if kind == "broker_purge":
             import redis
@@ -428,6 +461,23 @@ class Soak:
             self.pg.start()
             return True
         raise ValueError(kind)
+
+    def kill_senders(self) -> None:
+        """The SMTP server holds a reply: kill the executor of the task sending that email."""
+        from orchestrator.models import Task
+
+        while True:
+            try:
+                kind, address = self.smtp.kill_requests.get_nowait()
+            except queue.Empty:
+                return
+            task_id = self.rcpt_task.get(address)
+            pids = self.db(lambda: list(Task.objects.filter(pk=task_id, status="running")
+                                        .values_list("worker_pid", flat=True))) if task_id else []
+            if pids and pids[0] and self.kill(pids[0]):
+                self.fault(kind)
+            else:
+                self.notes[f"{kind}: sender not found running (not counted)"] += 1
 
     def restart_clusters(self) -> None:
         now = time.monotonic()
@@ -520,6 +570,7 @@ class Soak:
         current, current_since = None, 0.0  # the fault being injected, and since when it is tried
         while True:
             elapsed = time.monotonic() - start
+            self.kill_senders()
             self.restart_clusters()
             self.reap_orphans()
             if time.monotonic() - last_progress > 0.5:
@@ -543,7 +594,7 @@ class Soak:
                         self.rng.choices(list(RANDOM_KINDS), list(RANDOM_KINDS.values()))[0]
                     current_since = elapsed
                 if self.inject(current):
-                    if not current.startswith("smtp_"):  # those count when they fire
+                    if current not in SMTP_MODES:  # those count when they fire
                         self.fault(current)
                 elif elapsed - current_since < 4.0:
                     next_fault = elapsed + 0.2  # nothing to act on yet (no running task...): again soon
@@ -570,6 +621,7 @@ class Soak:
         start = time.monotonic()
         quiet_since = None
         while time.monotonic() - start < self.opts.settle_timeout:
+            self.kill_senders()  # what was armed before the disarm still fires once
             self.restart_clusters()
             self.reap_orphans()
             statuses = self.db(lambda: set(Task.objects.exclude(status__in=TERMINAL).values_list("status", flat=True)))
