@@ -252,7 +252,7 @@ class Soak:
         self.decisions = collections.Counter()
         self.not_happened: dict[str, float] = {}  # key -> time of the (last) not_happened decision
         self.review_anomalies: list[str] = []
-        self.orphans_seen: set[int] = set()
+        self.orphans_seen: dict[int, list] = {}  # pid -> [first seen, last seen, command line]
         self.created = 0
         self.rcpt_task: dict[str, int] = {}  # notify recipient -> task id
         self.stop_reviewer = threading.Event()
@@ -500,6 +500,9 @@ class Soak:
 
     def reap_orphans(self) -> None:
         """Orphans re-parented to this subreaper: note the living, collect the dead."""
+        if time.monotonic() - getattr(self, "_reaped_at", 0) < 0.2:
+            return
+        self._reaped_at = time.monotonic()
         known = {c.proc.pid for c in self.clusters} | {self.sweeper.proc.pid, self.redis.proc.pid}
         for pid in children_of(os.getpid()):
             if pid in known:
@@ -511,7 +514,10 @@ class Soak:
                 except ChildProcessError:
                     pass
             elif self.marker.on(pid):
-                self.orphans_seen.add(pid)
+                now = time.monotonic()
+                seen = self.orphans_seen.setdefault(pid, [now, now, read_proc(pid, "cmdline").replace(b"\0", b" ")
+                                                         .decode(errors="replace")[:150]])
+                seen[1] = now
 
     # --- the reviewer --------------------------------------------------------------------
     def review_loop(self) -> None:
@@ -748,6 +754,9 @@ class Soak:
             "decisions": dict(self.decisions), "decisions_total": sum(self.decisions.values()),
             "review_anomalies": self.review_anomalies, "recoveries": recoveries,
             "messages": len(messages), "notes": dict(self.notes), "orphans_seen": len(self.orphans_seen),
+            "orphans_longest_seconds": round(max((b - a for a, b, _ in self.orphans_seen.values()), default=0), 2),
+            "orphan_commands": collections.Counter(re.sub(r"task-\d+/stage-\d+", "task-N/stage-N", c.split("/var/")[-1])
+                                                   for _, _, c in self.orphans_seen.values()).most_common(5),
             "lost": sum(lost.values()), "lost_breakdown": dict(lost), "lost_detail": lost_detail[:30],
             "duplicated": duplicated,
             "duplicated_breakdown": {"by_key": dup_by_key, "by_task_recipient": dup_by_recipient,
@@ -767,14 +776,17 @@ class Soak:
               f"total {time.monotonic() - self.t0:.0f} s")
         print(f"faults by kind (total {v['faults_total']}, asked >= {o.faults}):")
         for kind in ALL_KINDS:
-            print(f"  {kind:24} {v['faults'].get(kind, 0):6}")
+            print(f"  {kind:26} {v['faults'].get(kind, 0):6}")
         print(f"tasks by final status (total {v['tasks_total']}): "
               + ", ".join(f"{k} {n}" for k, n in sorted(v["tasks"].items())))
         print("  by type: " + ", ".join(f"{k} {n}" for k, n in sorted(v["tasks_by_type"].items())))
         print(f"review decisions (total {v['decisions_total']}): "
               + (", ".join(f"{k} {n}" for k, n in sorted(v["decisions"].items())) or "none"))
         print(f"recoveries (recovery events): {v['recoveries']}; messages received by SMTP: {v['messages']}; "
-              f"orphaned processes seen mid-run (re-parented to the soak): {v['orphans_seen']}")
+              f"orphaned processes seen mid-run (re-parented to the soak): {v['orphans_seen']}, "
+              f"the longest seen alive for {v['orphans_longest_seconds']} s")
+        if v["orphan_commands"]:
+            print("  orphans: " + ", ".join(f"{n} x {cmd}" for cmd, n in v["orphan_commands"]))
         for note, n in sorted(v["notes"].items()):
             print(f"  {note}: {n}")
         for anomaly in v["review_anomalies"][:10]:
