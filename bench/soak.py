@@ -15,6 +15,9 @@ Faults (kind: what is done):
 - kill_executor: kill -9 of a running task's executor (Task.worker_pid);
 - kill_worker: kill -9 of the django-q2 worker process watching a running task's executor;
 - kill_cluster: kill -9 of a whole `qcluster` process group, restarted after a moment;
+- stop_cluster: an orderly stop (SIGINT to the group, as Ctrl-C) while it runs tasks; each
+  watchdog must kill its executor tree and hand its task back; whatever of that cluster is
+  still alive once it exited counts as stray; restarted after a moment;
 - kill_executor_mid_send: the SMTP server takes the next message and holds its reply while
   the sending task's executor is killed (the email arrived; nobody heard the 250);
 - kill_executor_before_data: the server holds its answer to the next RCPT TO while the
@@ -83,7 +86,7 @@ EMAIL_TIMEOUT = 1.0
 LATE_SECONDS = 2.5
 RANDOM_KINDS = {  # weights of the randomly chosen faults; the restarts are scheduled
     "kill_executor": 24, "kill_executor_mid_send": 8, "kill_executor_before_data": 7, "kill_worker": 10,
-    "kill_cluster": 5, "smtp_drop_after_data": 14, "smtp_reply_late": 11, "broker_purge": 21,
+    "kill_cluster": 5, "stop_cluster": 3, "smtp_drop_after_data": 14, "smtp_reply_late": 11, "broker_purge": 21,
 }
 # Faults armed on the SMTP server: counted when they fire on a message (the SMTP server's mode).
 SMTP_MODES = {"smtp_drop_after_data": "drop_after_data", "smtp_reply_late": "reply_late",
@@ -155,9 +158,17 @@ class Managed:
 
     def start(self) -> None:
         self.starts += 1
-        self.log = open(self.log_dir / f"{self.name}.{self.starts}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), *self.args], cwd=ROOT, env=self.env,
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.tag = f"{self.name}.{self.starts}"  # SOAK_PROC: every process of this start has it
+        self.log = open(self.log_dir / f"{self.tag}.log", "w")
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), *self.args], cwd=ROOT,
+                                     env={**self.env, "SOAK_PROC": self.tag}, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def descendants_alive(self) -> list[int]:
+        """Living processes of this start, wherever they were re-parented."""
+        needle = f"SOAK_PROC={self.tag}".encode()
+        return [p for p in all_pids() if needle in read_proc(p, "environ").split(b"\0")
+                and (proc_stat(p) or (0, "Z"))[1] != "Z"]
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -257,6 +268,8 @@ class Soak:
         self.rcpt_task: dict[str, int] = {}  # notify recipient -> task id
         self.stop_reviewer = threading.Event()
         self.down_clusters: dict[int, float] = {}  # index -> restart time
+        self.stopping: dict[int, float] = {}  # index -> when an orderly stop (SIGINT) gives up
+        self.stop_strays: dict[int, str] = {}  # processes an orderly cluster stop left behind
         self.run_dir = Path(tempfile.mkdtemp(prefix="orch-soak-"))
         self.marker = Marker()
 
@@ -426,11 +439,19 @@ class Soak:
             return False
         if kind == "kill_cluster":
             # One cluster down at a time, and only once every cluster is up again.
-            if self.down_clusters or not all(len(c.workers()) >= self.opts.workers for c in self.clusters):
+            if self.down_clusters or self.stopping or not all(len(c.workers()) >= self.opts.workers for c in self.clusters):
                 return False
             index = self.rng.randrange(len(self.clusters))
             self.clusters[index].kill()
             self.down_clusters[index] = time.monotonic() + self.rng.uniform(0.5, 3.0)
+            return True
+        if kind == "stop_cluster":
+            if self.down_clusters or self.stopping or \
+                    not all(len(c.workers()) >= self.opts.workers for c in self.clusters):
+                return False
+            index = self.rng.randrange(len(self.clusters))
+            self.clusters[index].signal_group(signal.SIGINT)
+            self.stopping[index] = time.monotonic() + 20
             return True
         if kind in SMTP_MODES:
             if self.smtp.pending() >= 2:
@@ -481,13 +502,29 @@ class Soak:
 
     def restart_clusters(self) -> None:
         now = time.monotonic()
+        for index, deadline in list(self.stopping.items()):  # orderly stops under way
+            cluster = self.clusters[index]
+            if cluster.alive() and now < deadline:
+                continue
+            if cluster.alive():
+                self.notes["stop_cluster: still running 20 s after SIGINT (killed)"] += 1
+                cluster.signal_group(signal.SIGKILL)
+                cluster.proc.wait(timeout=30)
+            time.sleep(0.5)  # what its watchdogs killed is gone by now
+            for pid in cluster.descendants_alive():
+                command = read_proc(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace")[:200]
+                self.stop_strays[pid] = f"left by the orderly stop of {cluster.tag}: {command}"
+                self.kill(pid)
+            cluster.log.close()
+            del self.stopping[index]
+            self.down_clusters[index] = now + self.rng.uniform(0.5, 2.0)
         for index, at in list(self.down_clusters.items()):
             if now >= at:
                 self.clusters[index].start()
                 del self.down_clusters[index]
                 self.notes["clusters restarted"] += 1
         for index, cluster in enumerate(self.clusters):  # a cluster that died by itself
-            if not cluster.alive() and index not in self.down_clusters:
+            if not cluster.alive() and index not in self.down_clusters and index not in self.stopping:
                 log(f"cluster-{index} exited by itself (code {cluster.proc.returncode}): restarting")
                 self.notes["clusters that exited by themselves"] += 1
                 cluster.log.close()
@@ -624,6 +661,11 @@ class Soak:
             self.notes["smtp faults armed but never fired"] += pending
         for index in list(self.down_clusters):
             self.down_clusters[index] = 0
+        while self.stopping:
+            self.restart_clusters()
+            time.sleep(0.2)
+        for index in list(self.down_clusters):
+            self.down_clusters[index] = 0
         start = time.monotonic()
         quiet_since = None
         while time.monotonic() - start < self.opts.settle_timeout:
@@ -658,7 +700,7 @@ class Soak:
             except subprocess.TimeoutExpired:
                 self.notes["processes still running 20 s after SIGINT (killed)"] += 1
         time.sleep(1.0)  # what a shut-down worker leaves must be gone by now
-        self.strays = self.find_strays()
+        self.strays = {**self.stop_strays, **self.find_strays()}
         for proc in [*self.clusters, self.sweeper]:
             proc.kill()
         for pid in self.strays:
@@ -747,12 +789,19 @@ class Soak:
         dup_detail += [f"task {task} -> {to}: {n} emails" for (task, to), n in by_recipient.items() if n > 1][:20]
 
         stuck = [t for t in tasks if t["status"] not in TERMINAL]
-        recoveries = self.db(lambda: TaskEvent.objects.filter(kind="recovery").count())
+        causes = self.db(lambda: list(TaskEvent.objects.filter(kind="recovery").values_list("payload", flat=True)))
+        recoveries = len(causes)
+        by_cause = collections.Counter()
+        for payload in causes:
+            cause = (payload or {}).get("cause", "")
+            by_cause["executor died" if "executor pid" in cause else "worker shut down" if "shut down" in cause
+                     else "heartbeat stale" if "heartbeat" in cause else cause[:60] or "?"] += 1
         return {
             "faults": dict(sorted(self.faults.items())), "faults_total": sum(self.faults.values()),
             "tasks": dict(statuses), "tasks_by_type": dict(types), "tasks_total": len(tasks),
             "decisions": dict(self.decisions), "decisions_total": sum(self.decisions.values()),
             "review_anomalies": self.review_anomalies, "recoveries": recoveries,
+            "recoveries_by_cause": dict(by_cause),
             "messages": len(messages), "notes": dict(self.notes), "orphans_seen": len(self.orphans_seen),
             "orphans_longest_seconds": round(max((b - a for a, b, _ in self.orphans_seen.values()), default=0), 2),
             "orphan_commands": collections.Counter(re.sub(r"task-\d+/stage-\d+", "task-N/stage-N", c.split("/var/")[-1])
@@ -782,7 +831,9 @@ class Soak:
         print("  by type: " + ", ".join(f"{k} {n}" for k, n in sorted(v["tasks_by_type"].items())))
         print(f"review decisions (total {v['decisions_total']}): "
               + (", ".join(f"{k} {n}" for k, n in sorted(v["decisions"].items())) or "none"))
-        print(f"recoveries (recovery events): {v['recoveries']}; messages received by SMTP: {v['messages']}; "
+        print(f"recoveries (recovery events): {v['recoveries']} ("
+              + ", ".join(f"{k} {n}" for k, n in sorted(v["recoveries_by_cause"].items())) + ")")
+        print(f"messages received by SMTP: {v['messages']}; "
               f"orphaned processes seen mid-run (re-parented to the soak): {v['orphans_seen']}, "
               f"the longest seen alive for {v['orphans_longest_seconds']} s")
         if v["orphan_commands"]:
