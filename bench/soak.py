@@ -302,8 +302,8 @@ class Soak:
             "REDIS_URL": f"redis://127.0.0.1:{self.redis.port}/1",
             "EMAIL_HOST": "127.0.0.1", "EMAIL_PORT": str(self.smtp.port), "EMAIL_TIMEOUT": str(EMAIL_TIMEOUT),
             "ORCH_HEARTBEAT_SECONDS": "0.5", "ORCH_STALE_AFTER_SECONDS": "2",
-            "ORCH_REQUEUE_AFTER_SECONDS": "3", "ORCH_MAX_RECOVERY_ATTEMPTS": "100000",
-            "ORCH_SLICE_SECONDS": "20", "ORCH_WORKERS": str(self.opts.workers),
+            "ORCH_REQUEUE_AFTER_SECONDS": "3", "ORCH_MAX_RECOVERY_ATTEMPTS": os.environ.get("SOAK_MAX_RECOVERY_ATTEMPTS", "100000"),
+            "ORCH_SLICE_SECONDS": "1.5", "ORCH_WORKERS": str(self.opts.workers),
             "ORCH_VAR_DIR": str(self.run_dir / "var"), "ORCH_LOG_LEVEL": os.environ.get("SOAK_LOG_LEVEL", "WARNING"),
             "ORCH_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1",
         }
@@ -794,6 +794,9 @@ class Soak:
         by_cause = collections.Counter()
         for payload in causes:
             cause = (payload or {}).get("cause", "")
+            if not (payload or {}).get("dead_worker"):
+                by_cause["no lease holder (sliced or recovered, its message lost)"] += 1
+                continue
             by_cause["executor died" if "executor pid" in cause else "worker shut down" if "shut down" in cause
                      else "heartbeat stale" if "heartbeat" in cause else cause[:60] or "?"] += 1
         return {
