@@ -251,6 +251,14 @@ class SoakSmtp(SmtpServer):
         return await super().handle_DATA(server, session, envelope)
 
 
+def valid_stage_output(path: Path, stage: int) -> bool:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return data.get("stage") == stage and len(data.get("values", ())) == 20000
+
+
 # --- the run ---------------------------------------------------------------------------------
 class Soak:
     def __init__(self, opts):
@@ -771,9 +779,9 @@ class Soak:
                     lost_detail.append(f"task {t['pk']}: destination rows missing or wrong in {', '.join(bad[:5])}")
             elif t["type"] == "demo.pipeline":
                 output = self.run_dir / "var" / "pipeline" / f"task-{t['pk']}" / f"stage-{t['params']['stages']:02d}.json"
-                if t["status"] == "completed" and not output.exists():
+                if t["status"] == "completed" and not valid_stage_output(output, t["params"]["stages"]):
                     lost["pipeline tasks without their output"] += 1
-                    lost_detail.append(f"task {t['pk']}: {output} missing")
+                    lost_detail.append(f"task {t['pk']}: {output} missing or not the last stage's 20000 values")
 
         dup_by_key = sum(len(v) - 1 for v in by_key.values() if len(v) > 1)
         dup_by_recipient = sum(n - 1 for n in by_recipient.values() if n > 1)
@@ -807,8 +815,9 @@ class Soak:
             "recoveries_by_cause": dict(by_cause),
             "messages": len(messages), "notes": dict(self.notes), "orphans_seen": len(self.orphans_seen),
             "orphans_longest_seconds": round(max((b - a for a, b, _ in self.orphans_seen.values()), default=0), 2),
-            "orphan_commands": collections.Counter(re.sub(r"task-\d+/stage-\d+", "task-N/stage-N", c.split("/var/")[-1])
-                                                   for _, _, c in self.orphans_seen.values()).most_common(5),
+            "orphan_commands": collections.Counter(
+                "pipeline stage script" if re.search(r"pipeline/task-\d+/stage-\d+\.py", c) else c[:80]
+                for _, _, c in self.orphans_seen.values()).most_common(5),
             "lost": sum(lost.values()), "lost_breakdown": dict(lost), "lost_detail": lost_detail[:30],
             "duplicated": duplicated,
             "duplicated_breakdown": {"by_key": dup_by_key, "by_task_recipient": dup_by_recipient,
