@@ -45,7 +45,8 @@ each of which must be 0:
   minus copies a reviewer's not_happened explains (one that arrived before the decision);
 - stray: processes of this run still alive after shutdown (by environment marker, by
   `pgrep -f` for pipeline stage scripts, and by process tree: this script is a child
-  subreaper, so orphans are re-parented to it);
+  subreaper, so orphans are re-parented to it), and processes of a cluster still alive once
+  its orderly stop (stop_cluster) is over;
 - stuck: tasks not in a final state.
 Exit status 1 if any invariant is not 0.
 
@@ -53,6 +54,13 @@ Options (also as environment variables): --faults (SOAK_FAULTS), --tasks (SOAK_T
 most to create; default: as many as the fault phase needs), --duration (SOAK_DURATION,
 seconds of the fault phase), --seed (SOAK_SEED), --settle-timeout, --concurrency, --clusters,
 --workers, --json PATH (the summary as JSON), --keep (keep the run directory with the logs).
+SOAK_LOG_LEVEL sets the workers' ORCH_LOG_LEVEL (default WARNING; logs in the run directory).
+
+The workers run with a 0.5 s heartbeat (stale after 2 s), ORCH_REQUEUE_AFTER_SECONDS=3,
+slices of 1.5 s (so re-enqueued tasks meet lost messages too), EMAIL_TIMEOUT=1 s and
+ORCH_MAX_RECOVERY_ATTEMPTS=100000: at about one fault a second a task is recovered many
+times, and running out of attempts (needs_human) would be the configured limit, not a bug
+(SOAK_MAX_RECOVERY_ATTEMPTS=3 shows what the default does).
 """
 import argparse
 import asyncio
@@ -310,7 +318,8 @@ class Soak:
             "REDIS_URL": f"redis://127.0.0.1:{self.redis.port}/1",
             "EMAIL_HOST": "127.0.0.1", "EMAIL_PORT": str(self.smtp.port), "EMAIL_TIMEOUT": str(EMAIL_TIMEOUT),
             "ORCH_HEARTBEAT_SECONDS": "0.5", "ORCH_STALE_AFTER_SECONDS": "2",
-            "ORCH_REQUEUE_AFTER_SECONDS": "3", "ORCH_MAX_RECOVERY_ATTEMPTS": os.environ.get("SOAK_MAX_RECOVERY_ATTEMPTS", "100000"),
+            "ORCH_REQUEUE_AFTER_SECONDS": "3",
+            "ORCH_MAX_RECOVERY_ATTEMPTS": os.environ.get("SOAK_MAX_RECOVERY_ATTEMPTS", "100000"),
             "ORCH_SLICE_SECONDS": "1.5", "ORCH_WORKERS": str(self.opts.workers),
             "ORCH_VAR_DIR": str(self.run_dir / "var"), "ORCH_LOG_LEVEL": os.environ.get("SOAK_LOG_LEVEL", "WARNING"),
             "ORCH_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1",
@@ -447,7 +456,8 @@ class Soak:
             return False
         if kind == "kill_cluster":
             # One cluster down at a time, and only once every cluster is up again.
-            if self.down_clusters or self.stopping or not all(len(c.workers()) >= self.opts.workers for c in self.clusters):
+            if self.down_clusters or self.stopping or \
+                    not all(len(c.workers()) >= self.opts.workers for c in self.clusters):
                 return False
             index = self.rng.randrange(len(self.clusters))
             self.clusters[index].kill()
@@ -630,7 +640,7 @@ class Soak:
             done = self.total_faults()
             if done >= target and not scheduled and not first_round:
                 break
-            if elapsed > duration * 1.5:
+            if elapsed > duration + min(duration * 0.5, 120):  # the run's time budget
                 log(f"fault phase over its time ({elapsed:.0f} s) with {done} of {target} faults")
                 break
             if scheduled and elapsed >= scheduled[0][0]:
@@ -778,7 +788,8 @@ class Soak:
                     lost["migrate tasks with missing or wrong rows"] += 1
                     lost_detail.append(f"task {t['pk']}: destination rows missing or wrong in {', '.join(bad[:5])}")
             elif t["type"] == "demo.pipeline":
-                output = self.run_dir / "var" / "pipeline" / f"task-{t['pk']}" / f"stage-{t['params']['stages']:02d}.json"
+                last = t["params"]["stages"]
+                output = self.run_dir / "var" / "pipeline" / f"task-{t['pk']}" / f"stage-{last:02d}.json"
                 if t["status"] == "completed" and not valid_stage_output(output, t["params"]["stages"]):
                     lost["pipeline tasks without their output"] += 1
                     lost_detail.append(f"task {t['pk']}: {output} missing or not the last stage's 20000 values")
