@@ -638,6 +638,10 @@ class Soak:
                 self.keep_tasks_coming(elapsed)
                 last_progress = time.monotonic()
             done = self.total_faults()
+            if time.monotonic() - getattr(self, "_progress_at", start) > 60:
+                self._progress_at = time.monotonic()
+                log(f"{elapsed:.0f} s: {done} faults, {self.created} tasks created, "
+                    f"{sum(self.decisions.values())} review decisions")
             if done >= target and not scheduled and not first_round:
                 break
             if elapsed > duration + min(duration * 0.5, 120):  # the run's time budget
