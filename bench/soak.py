@@ -661,15 +661,15 @@ class Soak:
                 if self.inject(current):
                     if current not in SMTP_MODES:  # those count when they fire
                         self.fault(current)
-                elif elapsed - current_since < 2.5:
+                elif elapsed - current_since < 4.0:
                     next_fault = elapsed + 0.2  # nothing to act on yet (no running task...): again soon
                     time.sleep(0.05)
                     continue
                 else:
-                    self.notes[f"{current} skipped: nothing to act on for 2.5 s"] += 1
+                    self.notes[f"{current} skipped: nothing to act on for 4 s"] += 1
                 current = None
                 remaining = max(1, target - self.total_faults() - len(scheduled) - self.smtp.pending())
-                left = max(0.3, 0.92 * duration - elapsed)  # aim early: injecting takes time too
+                left = max(0.3, duration - elapsed)
                 next_fault = elapsed + left / remaining * self.rng.uniform(0.5, 1.5)
             time.sleep(0.05)
         self.fault_seconds = time.monotonic() - start
