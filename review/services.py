@@ -29,13 +29,24 @@ def review_open(*, entry: WalEntry, reason: str, dead_worker: str = "", evidence
     `evidence`: what the tool itself saw when the outcome became unknown (its phase, its error),
     added to what the tool can tell about the key."""
     existing = ReviewItem.objects.filter(wal_entry=entry).first()
-    if existing is not None:
+    if existing is not None and existing.status == ReviewStatus.OPEN:
         return existing
     try:
         gathered = get_tool(entry.tool).evidence(entry.args, key=entry.idempotency_key) or {}
     except Exception as exc:  # evidence is a courtesy; its absence must not block the review
         gathered = {"error": f"could not gather evidence: {exc}"}
     evidence = {**gathered, **(evidence or {})} or None
+    if existing is not None:
+        # Decided `not_happened` before, performed again with the same key (the same WAL
+        # entry: one item per entry) and in doubt again: reopen it (the earlier decision
+        # stays in the audit log), or the task would wait with nothing to review.
+        existing.status, existing.decision, existing.note, existing.decision_result = ReviewStatus.OPEN, "", "", None
+        existing.decided_by, existing.decided_at, existing.detected_at = None, None, timezone.now()
+        existing.reason, existing.dead_worker, existing.evidence = reason, dead_worker, evidence
+        existing.save()
+        log.warning("review reopened", extra={"task_id": entry.task_id, "wal_entry_id": entry.pk,
+                                              "resume_strategy": "awaiting_review"})
+        return existing
     item = ReviewItem.objects.create(task_id=entry.task_id, wal_entry=entry, reason=reason, dead_worker=dead_worker,
                                      evidence=evidence)
     log.warning("review opened", extra={"task_id": entry.task_id, "wal_entry_id": entry.pk,

@@ -1,0 +1,970 @@
+"""Soak: many tasks on real worker clusters while faults rain down; then check that no effect
+was lost or duplicated, no process was left behind and no task is stuck.
+
+    .venv/bin/python bench/soak.py --short                      # >= 20 faults, ~1-2 minutes
+    .venv/bin/python bench/soak.py --faults 1000 --duration 1020 # the long run (~20 minutes)
+
+Everything it breaks is its own: a private PostgreSQL cluster (initdb/pg_ctl on a free port,
+tests/support/services.py), a private Redis broker (REDIS_URL for the workers: django-q2's
+Redis broker) and an SMTP server (tests/support/misbehaving.py) running in this process.
+Against them run `--clusters` real `manage.py qcluster` processes (ORCH_WORKERS each) and a
+real sweeper (`manage.py recover --loop`). Mixed demo.migrate_rows / demo.notify /
+demo.pipeline tasks are created as earlier ones finish.
+
+Faults (kind: what is done):
+- kill_executor: kill -9 of a running task's executor (Task.worker_pid);
+- kill_worker: kill -9 of the django-q2 worker process watching a running task's executor;
+- kill_cluster: kill -9 of a whole `qcluster` process group, restarted after a moment;
+- stop_cluster: an orderly stop (SIGINT to the group, as Ctrl-C) while it runs tasks; each
+  watchdog must kill its executor tree and hand its task back; whatever of that cluster is
+  still alive once it exited counts as stray; restarted after a moment;
+- kill_executor_mid_send: the SMTP server takes the next message and holds its reply while
+  the sending task's executor is killed (the email arrived; nobody heard the 250);
+- kill_executor_before_data: the server holds its answer to the next RCPT TO while the
+  sender's executor is killed (the intent is written, nothing was sent);
+- smtp_drop_after_data / smtp_reply_late: the next message is taken and the connection
+  dropped before the reply / answered after EMAIL_TIMEOUT (each SMTP fault is counted when
+  it fires);
+- broker_purge: the waiting messages of the Redis list `django_q:orchestrator:q` are deleted
+  (counted only when it removed some);
+- redis_restart: kill -9 + restart of the private Redis (every few minutes; >= 1);
+- pg_restart: `pg_ctl stop -m immediate` + start of the private PostgreSQL (every few
+  minutes; >= 1).
+Every process this script starts carries SOAK_RUN_ID in its environment; nothing without it
+is ever signalled.
+
+A scripted reviewer decides each open review item from the SMTP server's log: the message
+with that X-Idempotency-Key was received -> "happened", else "not_happened".
+
+At the end (faults stopped, everything settled or the settle timeout passed, workers shut
+down) it prints faults by kind, tasks by final status, review decisions and the invariants,
+each of which must be 0:
+- lost: notify recipients who got no email, migrate tasks whose destination rows are
+  missing or wrong, pipeline tasks without their final output, tasks not completed;
+- duplicated: extra copies of a message (by X-Idempotency-Key and by (task, recipient)),
+  minus copies a reviewer's not_happened explains (one that arrived before the decision);
+- stray: processes of this run still alive after shutdown (by environment marker, by
+  `pgrep -f` for pipeline stage scripts, and by process tree: this script is a child
+  subreaper, so orphans are re-parented to it), and processes of a cluster still alive once
+  its orderly stop (stop_cluster) is over;
+- stuck: tasks not in a final state.
+Exit status 1 if any invariant is not 0.
+
+Options (also as environment variables): --faults (SOAK_FAULTS), --tasks (SOAK_TASKS, the
+most to create; default: as many as the fault phase needs), --duration (SOAK_DURATION,
+seconds of the fault phase), --seed (SOAK_SEED), --settle-timeout, --concurrency, --clusters,
+--workers, --json PATH (the summary as JSON), --keep (keep the run directory with the logs).
+SOAK_LOG_LEVEL sets the workers' ORCH_LOG_LEVEL (default WARNING; logs in the run directory).
+
+The workers run with a 0.5 s heartbeat (stale after 2 s), ORCH_REQUEUE_AFTER_SECONDS=3,
+slices of 1.5 s (so re-enqueued tasks meet lost messages too), EMAIL_TIMEOUT=1 s and
+ORCH_MAX_RECOVERY_ATTEMPTS=100000: at about one fault a second a task is recovered many
+times, and running out of attempts (needs_human) would be the configured limit, not a bug
+(SOAK_MAX_RECOVERY_ATTEMPTS=3 shows what the default does).
+"""
+import argparse
+import asyncio
+import collections
+import json
+import os
+import queue
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from decimal import Decimal
+from email import message_from_bytes
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.support.misbehaving import SmtpServer  # noqa: E402
+from tests.support.services import PostgresCluster, RedisServer  # noqa: E402
+
+QUEUE_KEY = "django_q:orchestrator:q"
+MIGRATE_RATE = 2.0  # one rate for every migrate task: they all write demo_destination
+EMAIL_TIMEOUT = 1.0
+LATE_SECONDS = 2.5
+RANDOM_KINDS = {  # weights of the randomly chosen faults; the restarts are scheduled
+    "kill_executor": 24, "kill_executor_mid_send": 8, "kill_executor_before_data": 7, "kill_worker": 10,
+    "kill_cluster": 5, "stop_cluster": 3, "smtp_drop_after_data": 14, "smtp_reply_late": 11, "broker_purge": 21,
+}
+# Faults armed on the SMTP server: counted when they fire on a message (the SMTP server's mode).
+SMTP_MODES = {"smtp_drop_after_data": "drop_after_data", "smtp_reply_late": "reply_late",
+              "kill_executor_mid_send": "kill_mid_send", "kill_executor_before_data": "kill_before_data"}
+SCHEDULED_KINDS = ("pg_restart", "redis_restart")
+ALL_KINDS = (*RANDOM_KINDS, *SCHEDULED_KINDS)
+
+
+def log(message: str) -> None:
+    print(f"[soak {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --- processes -----------------------------------------------------------------------------
+def read_proc(pid: int, name: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def proc_stat(pid: int):
+    """(ppid, state) or None."""
+    data = read_proc(pid, "stat").decode(errors="replace")
+    if not data:
+        return None
+    fields = data[data.rindex(")") + 2:].split()
+    return int(fields[1]), fields[0]
+
+
+def all_pids() -> list[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit()]
+
+
+class Marker:
+    """SOAK_RUN_ID=<id> in a process's environment: it belongs to this run."""
+
+    def __init__(self):
+        self.value = uuid.uuid4().hex
+        self.needle = f"SOAK_RUN_ID={self.value}".encode()
+
+    def on(self, pid: int) -> bool:
+        return self.needle in read_proc(pid, "environ").split(b"\0")
+
+    def living(self) -> list[int]:
+        me = os.getpid()
+        return [p for p in all_pids() if p != me and self.on(p) and (proc_stat(p) or (0, "Z"))[1] != "Z"]
+
+
+def children_of(pid: int) -> list[int]:
+    return [p for p in all_pids() if (proc_stat(p) or (None,))[0] == pid]
+
+
+class Managed:
+    """A `manage.py <command>` of this run, in its own process group."""
+
+    def __init__(self, name: str, args: list[str], env: dict, log_dir: Path):
+        self.name, self.args, self.env, self.log_dir = name, args, env, log_dir
+        self.starts = 0
+        self.start()
+
+    def start(self) -> None:
+        self.starts += 1
+        self.tag = f"{self.name}.{self.starts}"  # SOAK_PROC: every process of this start has it
+        self.log = open(self.log_dir / f"{self.tag}.log", "w")
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), *self.args], cwd=ROOT,
+                                     env={**self.env, "SOAK_PROC": self.tag}, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def descendants_alive(self) -> list[int]:
+        """Living processes of this start, wherever they were re-parented."""
+        needle = f"SOAK_PROC={self.tag}".encode()
+        return [p for p in all_pids() if needle in read_proc(p, "environ").split(b"\0")
+                and (proc_stat(p) or (0, "Z"))[1] != "Z"]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        self.signal_group(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+    def workers(self) -> list[int]:
+        """The cluster's processes below its sentinel (workers, monitor, pusher)."""
+        return [p for sentinel in children_of(self.proc.pid) for p in children_of(sentinel)]
+
+
+# --- the SMTP server -----------------------------------------------------------------------
+class SoakSmtp(SmtpServer):
+    """The misbehaving server, its mode switched per message: `arm(mode)` makes the next
+    message misbehave that way once. Keeps a log of (time, key, to) for every message taken."""
+
+    DATA_MODES = ("drop_after_data", "reply_late", "kill_mid_send")
+    RCPT_MODES = ("kill_before_data",)
+
+    def __init__(self, port: int, on_fired):
+        super().__init__(port)
+        self.late_seconds = LATE_SECONDS
+        self.armed: collections.deque = collections.deque()
+        self.on_fired = on_fired
+        self.log: list[tuple[float, str, str]] = []
+        self.kill_requests: queue.Queue = queue.Queue()  # (fault kind, recipient): kill its sender
+
+    def _take(self, modes) -> str:
+        with self.lock:
+            if self.armed and self.armed[0] in modes:
+                return self.armed.popleft()
+        return "ok"
+
+    def arm(self, mode: str) -> None:
+        with self.lock:
+            self.armed.append(mode)
+
+    def disarm(self) -> int:
+        with self.lock:
+            pending = len(self.armed)
+            self.armed.clear()
+            return pending
+
+    def pending(self) -> int:
+        with self.lock:
+            return len(self.armed)
+
+    def received_keys(self) -> set[str]:
+        with self.lock:
+            return {key for _, key, _ in self.log}
+
+    async def handle_RCPT(self, server, session, envelope, address, rcpt_options):
+        if self._take(self.RCPT_MODES) == "kill_before_data":
+            self.kill_requests.put(("kill_executor_before_data", address))
+            await asyncio.sleep(self.late_seconds)  # the sender dies waiting for this answer
+        return await super().handle_RCPT(server, session, envelope, address, rcpt_options)
+
+    async def handle_DATA(self, server, session, envelope):
+        message = message_from_bytes(envelope.content)
+        mode = self._take(self.DATA_MODES)
+        with self.lock:
+            self.log.append((time.time(), message["X-Idempotency-Key"] or "", message["To"] or ""))
+        if mode in ("drop_after_data", "reply_late"):
+            self.on_fired(f"smtp_{mode}")
+        elif mode == "kill_mid_send":
+            self.kill_requests.put(("kill_executor_mid_send", message["To"] or ""))
+            mode = "reply_late"  # the sender dies waiting for the 250
+        # The parent reads `mode` before its first await: this message gets this mode. It
+        # logs the message too (`received`); `self.log` adds the time.
+        self.mode = mode
+        return await super().handle_DATA(server, session, envelope)
+
+
+def valid_stage_output(path: Path, stage: int) -> bool:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return data.get("stage") == stage and len(data.get("values", ())) == 20000
+
+
+# --- the run ---------------------------------------------------------------------------------
+class Soak:
+    def __init__(self, opts):
+        self.opts = opts
+        self.rng = random.Random(opts.seed)
+        self.task_rng = random.Random(opts.seed + 1)  # the task mix does not depend on the faults
+        self.faults = collections.Counter()
+        self.fault_lock = threading.Lock()
+        self.notes = collections.Counter()  # things worth knowing that are not faults
+        self.decisions = collections.Counter()
+        self.not_happened: dict[str, float] = {}  # key -> time of the (last) not_happened decision
+        self.review_anomalies: list[str] = []
+        self.orphans_seen: dict[int, list] = {}  # pid -> [first seen, last seen, command line]
+        self.created = 0
+        self.rcpt_task: dict[str, int] = {}  # notify recipient -> task id
+        self.stop_reviewer = threading.Event()
+        self.down_clusters: dict[int, float] = {}  # index -> restart time
+        self.stopping: dict[int, float] = {}  # index -> when an orderly stop (SIGINT) gives up
+        self.stop_strays: dict[int, str] = {}  # processes an orderly cluster stop left behind
+        self.run_dir = Path(tempfile.mkdtemp(prefix="orch-soak-"))
+        self.marker = Marker()
+
+    def fault(self, kind: str, n: int = 1) -> None:
+        with self.fault_lock:
+            self.faults[kind] += n
+
+    def total_faults(self) -> int:
+        with self.fault_lock:
+            return sum(self.faults.values())
+
+    # --- infrastructure -----------------------------------------------------------------
+    def start_services(self) -> None:
+        self.pg = PostgresCluster(free_port())
+        self.pg.init()
+        with open(self.pg.data / "postgresql.conf", "a") as conf:
+            conf.write("\nmax_connections = 300\n")
+        self.pg.start()
+        subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(self.pg.port), "-U", "postgres", "-q", "-c",
+                        "CREATE DATABASE soak"], check=True, capture_output=True)
+        self.redis = RedisServer(free_port(), self.run_dir / "redis.log").start()
+        self.smtp = SoakSmtp(free_port(), self.fault).start()
+        log(f"run dir {self.run_dir}; postgresql :{self.pg.port} ({self.pg.dir}), redis :{self.redis.port}, "
+            f"smtp :{self.smtp.port}")
+
+    def env(self) -> dict:
+        return {
+            "DJANGO_SETTINGS_MODULE": "orchestrator.settings",
+            "DATABASE_URL": f"postgres://postgres@127.0.0.1:{self.pg.port}/soak",
+            "REDIS_URL": f"redis://127.0.0.1:{self.redis.port}/1",
+            "EMAIL_HOST": "127.0.0.1", "EMAIL_PORT": str(self.smtp.port), "EMAIL_TIMEOUT": str(EMAIL_TIMEOUT),
+            "ORCH_HEARTBEAT_SECONDS": "0.5", "ORCH_STALE_AFTER_SECONDS": "2",
+            "ORCH_REQUEUE_AFTER_SECONDS": "3",
+            "ORCH_MAX_RECOVERY_ATTEMPTS": os.environ.get("SOAK_MAX_RECOVERY_ATTEMPTS", "100000"),
+            "ORCH_SLICE_SECONDS": "1.5", "ORCH_WORKERS": str(self.opts.workers),
+            "ORCH_VAR_DIR": str(self.run_dir / "var"), "ORCH_LOG_LEVEL": os.environ.get("SOAK_LOG_LEVEL", "WARNING"),
+            "ORCH_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1",
+        }
+
+    def setup_django(self) -> None:
+        os.environ.update(self.env())
+        os.environ.pop("ORCH_FAULTS", None)
+        import django
+        from django.core.management import call_command
+
+        django.setup()
+        call_command("migrate", verbosity=0)
+        from django.contrib.auth.models import Group, User
+
+        from orchestrator.engine import scheduler
+
+        self.reviewer = User.objects.create_user("soak-reviewer", "soak@example.org", "soak-pw-8c1f")
+        self.reviewer.groups.set(Group.objects.filter(name="reviewer"))
+        # This process is a client: a send lost to a Redis outage is a message lost between
+        # the commit and the send (the sweeper re-sends it), not an error of the client.
+        original_send = scheduler.send
+
+        def send(task_id: int) -> None:
+            try:
+                original_send(task_id)
+            except Exception as exc:  # noqa: BLE001 - redis.ConnectionError and friends
+                self.notes["client sends lost to the broker"] += 1
+                log(f"send of task {task_id} lost: {type(exc).__name__}")
+
+        scheduler.send = send
+
+    def child_env(self) -> dict:
+        return {**os.environ, **self.env(), "SOAK_RUN_ID": self.marker.value}
+
+    def start_workers(self) -> None:
+        logs = self.run_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        env = self.child_env()
+        self.clusters = [Managed(f"cluster-{i}", ["qcluster"], env, logs) for i in range(self.opts.clusters)]
+        self.sweeper = Managed("sweeper", ["recover", "--loop", "--interval", "0.5"], env, logs)
+        deadline = time.monotonic() + 60
+        while not all(len(c.workers()) >= self.opts.workers for c in self.clusters):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the worker clusters did not start")
+            time.sleep(0.2)
+
+    # --- database access that survives PostgreSQL restarts ---------------------------
+    def db(self, fn, *args, attempts: int = 60, **kwargs):
+        from django.db import Error, connection
+
+        for attempt in range(attempts):
+            try:
+                return fn(*args, **kwargs)
+            except Error:
+                connection.close()
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.5)
+
+    # --- tasks ---------------------------------------------------------------------------
+    def new_task(self) -> None:
+        from orchestrator.engine import services
+
+        n = self.created + 1
+        rng = self.task_rng
+        kind = rng.choices(["demo.notify", "demo.migrate_rows", "demo.pipeline"], [4, 3, 3])[0]
+        if kind == "demo.notify":
+            params = {"recipients": [f"r{j}.n{n}@example.org" for j in range(rng.randint(4, 12))],
+                      "subject": f"soak {n}", "body": f"message {n} of the soak"}
+        elif kind == "demo.migrate_rows":
+            params = {"rows": rng.choice([1000, 2000, 3000]), "batch_size": rng.choice([100, 150]),
+                      "rate": MIGRATE_RATE}
+        else:
+            params = {"stages": rng.randint(3, 5), "seconds_per_stage": round(rng.uniform(0.3, 0.8), 2)}
+        task = self.db(services.task_create, type=kind, params=params, title=f"soak {n}")
+        for address in params.get("recipients", ()):
+            self.rcpt_task[address] = task.pk
+        self.created += 1
+
+    def unfinished(self) -> int:
+        from orchestrator.engine.states import TERMINAL
+        from orchestrator.models import Task
+
+        return self.db(lambda: Task.objects.exclude(status__in=TERMINAL).count())
+
+    def keep_tasks_coming(self, elapsed: float) -> None:
+        limit = self.opts.tasks
+        if limit and self.created >= limit:
+            return
+        if limit:  # spread them over the fault phase
+            due = limit * min(1.0, elapsed / max(1.0, self.opts.duration)) + self.opts.concurrency
+            if self.created >= due:
+                return
+        missing = self.opts.concurrency - self.unfinished()
+        for _ in range(max(0, missing)):
+            if limit and self.created >= limit:
+                break
+            self.new_task()
+
+    # --- faults --------------------------------------------------------------------------
+    def running_tasks(self) -> list[tuple[int, int]]:
+        from orchestrator.models import Task
+
+        return self.db(lambda: list(Task.objects.filter(status="running", worker_pid__isnull=False)
+                                    .exclude(lease_owner="").values_list("pk", "worker_pid")))
+
+    def kill(self, pid: int) -> bool:
+        """SIGKILL a process of this run (never anything else)."""
+        if not self.marker.on(pid):
+            return False
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def inject(self, kind: str) -> bool:
+        """Try one fault; False when it had nothing to act on."""
+        if kind == "kill_executor":
+            running = self.running_tasks()
+            self.rng.shuffle(running)
+            if os.environ.get("SOAK_DEBUG"):
+                log(f"kill_executor: running {running}, marked {[self.marker.on(p) for _, p in running]}")
+            return any(self.kill(pid) for _, pid in running)
+        if kind == "kill_worker":
+            running = self.running_tasks()
+            self.rng.shuffle(running)
+            workers = {p for c in self.clusters if c.alive() for p in c.workers()}
+            for _, pid in running:
+                parent = (proc_stat(pid) or (None,))[0]
+                if parent in workers and self.kill(parent):
+                    return True
+            return False
+        if kind == "kill_cluster":
+            # One cluster down at a time, and only once every cluster is up again.
+            if self.down_clusters or self.stopping or \
+                    not all(len(c.workers()) >= self.opts.workers for c in self.clusters):
+                return False
+            index = self.rng.randrange(len(self.clusters))
+            self.clusters[index].kill()
+            self.down_clusters[index] = time.monotonic() + self.rng.uniform(0.5, 3.0)
+            return True
+        if kind == "stop_cluster":
+            if self.down_clusters or self.stopping or \
+                    not all(len(c.workers()) >= self.opts.workers for c in self.clusters):
+                return False
+            index = self.rng.randrange(len(self.clusters))
+            self.clusters[index].signal_group(signal.SIGINT)
+            self.stopping[index] = time.monotonic() + 20
+            return True
+        if kind in SMTP_MODES:
+            if self.smtp.pending() >= 2:
+                return False
+            self.smtp.arm(SMTP_MODES[kind])
+            return True  # counted when it fires
+        if kind == "broker_purge":
+            import redis
+
+            client = redis.Redis.from_url(self.env()["REDIS_URL"])
+            try:
+                with client.pipeline() as pipe:  # MULTI: what it saw is what it deleted
+                    pipe.llen(QUEUE_KEY)
+                    pipe.delete(QUEUE_KEY)
+                    waiting, _ = pipe.execute()
+            except redis.RedisError:
+                return False
+            finally:
+                client.close()
+            self.notes["broker messages purged"] += waiting
+            return waiting > 0
+        if kind == "redis_restart":
+            self.redis.restart()
+            return True
+        if kind == "pg_restart":
+            self.pg.stop("immediate")
+            time.sleep(self.rng.uniform(0.5, 2.5))
+            self.pg.start()
+            return True
+        raise ValueError(kind)
+
+    def kill_senders(self) -> None:
+        """The SMTP server holds a reply: kill the executor of the task sending that email."""
+        from orchestrator.models import Task
+
+        while True:
+            try:
+                kind, address = self.smtp.kill_requests.get_nowait()
+            except queue.Empty:
+                return
+            task_id = self.rcpt_task.get(address)
+            pids = self.db(lambda: list(Task.objects.filter(pk=task_id, status="running")
+                                        .values_list("worker_pid", flat=True))) if task_id else []
+            if pids and pids[0] and self.kill(pids[0]):
+                self.fault(kind)
+            else:
+                self.notes[f"{kind}: sender not found running (not counted)"] += 1
+
+    def restart_clusters(self) -> None:
+        now = time.monotonic()
+        for index, deadline in list(self.stopping.items()):  # orderly stops under way
+            cluster = self.clusters[index]
+            if cluster.alive() and now < deadline:
+                continue
+            if cluster.alive():
+                self.notes["stop_cluster: still running 20 s after SIGINT (killed)"] += 1
+                cluster.signal_group(signal.SIGKILL)
+                cluster.proc.wait(timeout=30)
+            time.sleep(0.5)  # what its watchdogs killed is gone by now
+            for pid in cluster.descendants_alive():
+                command = read_proc(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace")[:200]
+                self.stop_strays[pid] = f"left by the orderly stop of {cluster.tag}: {command}"
+                self.kill(pid)
+            cluster.log.close()
+            del self.stopping[index]
+            self.down_clusters[index] = now + self.rng.uniform(0.5, 2.0)
+        for index, at in list(self.down_clusters.items()):
+            if now >= at:
+                self.clusters[index].start()
+                del self.down_clusters[index]
+                self.notes["clusters restarted"] += 1
+        for index, cluster in enumerate(self.clusters):  # a cluster that died by itself
+            if not cluster.alive() and index not in self.down_clusters and index not in self.stopping:
+                log(f"cluster-{index} exited by itself (code {cluster.proc.returncode}): restarting")
+                self.notes["clusters that exited by themselves"] += 1
+                cluster.log.close()
+                cluster.start()
+        if not self.sweeper.alive():
+            log(f"the sweeper exited (code {self.sweeper.proc.returncode}): restarting")
+            self.notes["sweeper exits"] += 1
+            self.sweeper.log.close()
+            self.sweeper.start()
+
+    def reap_orphans(self) -> None:
+        """Orphans re-parented to this subreaper: note the living, collect the dead."""
+        if time.monotonic() - getattr(self, "_reaped_at", 0) < 0.2:
+            return
+        self._reaped_at = time.monotonic()
+        known = {c.proc.pid for c in self.clusters} | {self.sweeper.proc.pid, self.redis.proc.pid}
+        for pid in children_of(os.getpid()):
+            if pid in known:
+                continue
+            state = (proc_stat(pid) or (0, "Z"))[1]
+            if state == "Z":
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+            elif self.marker.on(pid):
+                now = time.monotonic()
+                seen = self.orphans_seen.setdefault(pid, [now, now, read_proc(pid, "cmdline").replace(b"\0", b" ")
+                                                         .decode(errors="replace")[:150]])
+                seen[1] = now
+
+    # --- the reviewer --------------------------------------------------------------------
+    def review_loop(self) -> None:
+        from django.db import connection
+
+        while not self.stop_reviewer.is_set():
+            try:
+                self.review_once()
+            except Exception as exc:  # noqa: BLE001 - the database may be restarting
+                connection.close()
+                self.notes["reviewer errors (retried)"] += 1
+                log(f"reviewer: {type(exc).__name__}: {str(exc)[:200]}")
+            self.stop_reviewer.wait(0.3)
+        connection.close()
+
+    def review_once(self) -> None:
+        from datetime import timedelta
+
+        from django.utils import timezone
+
+        from review.models import ReviewItem
+        from review.services import ReviewClosed, review_decide
+
+        # A second for a message in flight when its sender died to reach the server.
+        cutoff = timezone.now() - timedelta(seconds=1)
+        for item in ReviewItem.objects.filter(status="open", detected_at__lt=cutoff).select_related("wal_entry"):
+            entry = item.wal_entry
+            key = entry.idempotency_key
+            if entry.tool != "email.send":
+                self.review_anomalies.append(f"review #{item.pk} for {entry.tool} ({key}): {item.reason[:200]}")
+                decision, note = "not_happened", f"{entry.tool} is replayable; soak reviewer"
+            elif key in self.smtp.received_keys():
+                decision, note = "happened", f"X-Idempotency-Key {key} is in the SMTP server's log"
+            else:
+                decision, note = "not_happened", f"no message with X-Idempotency-Key {key} in the SMTP server's log"
+            try:
+                review_decide(item_id=item.pk, decision=decision, note=note, actor=self.reviewer)
+            except ReviewClosed:
+                continue
+            self.decisions[decision] += 1
+            if decision == "not_happened":
+                self.not_happened[key] = time.time()
+
+    # --- phases --------------------------------------------------------------------------
+    def fault_phase(self) -> None:
+        opts = self.opts
+        duration, target = opts.duration, opts.faults
+        scheduled_each = max(1, round(duration / 150))  # a restart of each every ~2.5 minutes
+        scheduled = sorted([((i + 0.4) * duration / scheduled_each, "pg_restart") for i in range(scheduled_each)] +
+                           [((i + 0.8) * duration / scheduled_each, "redis_restart") for i in range(scheduled_each)])
+        first_round = list(RANDOM_KINDS)  # every kind early on, then at random
+        self.rng.shuffle(first_round)
+        start = time.monotonic()
+        next_fault = 3.0
+        last_progress = start
+        current, current_since = None, 0.0  # the fault being injected, and since when it is tried
+        while True:
+            elapsed = time.monotonic() - start
+            self.kill_senders()
+            self.restart_clusters()
+            self.reap_orphans()
+            if time.monotonic() - last_progress > 0.5:
+                self.keep_tasks_coming(elapsed)
+                last_progress = time.monotonic()
+            done = self.total_faults()
+            if time.monotonic() - getattr(self, "_progress_at", start) > 60:
+                self._progress_at = time.monotonic()
+                log(f"{elapsed:.0f} s: {done} faults, {self.created} tasks created, "
+                    f"{sum(self.decisions.values())} review decisions")
+            if done >= target and not scheduled and not first_round:
+                break
+            if elapsed > duration + min(duration * 0.5, 120):  # the run's time budget
+                log(f"fault phase over its time ({elapsed:.0f} s) with {done} of {target} faults")
+                break
+            if scheduled and elapsed >= scheduled[0][0]:
+                kind = scheduled.pop(0)[1]
+                log(f"{kind} ({done} faults so far)")
+                self.inject(kind)
+                self.fault(kind)
+                continue
+            if elapsed >= next_fault and (done < target or first_round):
+                if current is None:
+                    current = first_round.pop(0) if first_round else \
+                        self.rng.choices(list(RANDOM_KINDS), list(RANDOM_KINDS.values()))[0]
+                    current_since = elapsed
+                if self.inject(current):
+                    if current not in SMTP_MODES:  # those count when they fire
+                        self.fault(current)
+                elif elapsed - current_since < 4.0:
+                    next_fault = elapsed + 0.2  # nothing to act on yet (no running task...): again soon
+                    time.sleep(0.05)
+                    continue
+                else:
+                    self.notes[f"{current} skipped: nothing to act on for 4 s"] += 1
+                current = None
+                remaining = max(1, target - self.total_faults() - len(scheduled) - self.smtp.pending())
+                left = max(0.3, duration - elapsed)
+                next_fault = elapsed + left / remaining * self.rng.uniform(0.5, 1.5)
+            time.sleep(0.05)
+        self.fault_seconds = time.monotonic() - start
+
+    def settle(self) -> None:
+        from orchestrator.engine.states import TERMINAL
+        from orchestrator.models import Task
+
+        pending = self.smtp.disarm()
+        if pending:
+            self.notes["smtp faults armed but never fired"] += pending
+        for index in list(self.down_clusters):
+            self.down_clusters[index] = 0
+        while self.stopping:
+            self.restart_clusters()
+            time.sleep(0.2)
+        for index in list(self.down_clusters):
+            self.down_clusters[index] = 0
+        start = time.monotonic()
+        quiet_since = None
+        while time.monotonic() - start < self.opts.settle_timeout:
+            self.kill_senders()  # what was armed before the disarm still fires once
+            self.restart_clusters()
+            self.reap_orphans()
+            statuses = self.db(lambda: set(Task.objects.exclude(status__in=TERMINAL).values_list("status", flat=True)))
+            if not statuses:
+                break
+            # Only tasks waiting for a human that the scripted reviewer cannot help: stop waiting.
+            if statuses <= {"needs_human"}:
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since > 10:
+                    break
+            else:
+                quiet_since = None
+            time.sleep(0.5)
+        self.settle_seconds = time.monotonic() - start
+
+    def shutdown(self) -> None:
+        self.stop_reviewer.set()
+        self.reviewer_thread.join(timeout=30)
+        # Like Ctrl-C (make run): SIGINT to each process group. (SIGTERM to a qcluster's whole
+        # group leaves its main process hanging: django-q2's sentinel dies of it at once.)
+        for proc in [*self.clusters, self.sweeper]:
+            if proc.alive():
+                proc.signal_group(signal.SIGINT)
+        deadline = time.monotonic() + 20
+        for proc in [*self.clusters, self.sweeper]:
+            try:
+                proc.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.notes["processes still running 20 s after SIGINT (killed)"] += 1
+        time.sleep(1.0)  # what a shut-down worker leaves must be gone by now
+        self.strays = {**self.stop_strays, **self.find_strays()}
+        for proc in [*self.clusters, self.sweeper]:
+            proc.kill()
+        for pid in self.strays:
+            self.kill(pid)
+
+    def find_strays(self) -> dict[int, str]:
+        strays = {}
+        for pid in self.marker.living():
+            strays[pid] = read_proc(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace")[:200]
+        pipeline_dir = str(self.run_dir / "var" / "pipeline")
+        out = subprocess.run(["pgrep", "-f", pipeline_dir], capture_output=True, text=True).stdout
+        for pid in map(int, out.split()):
+            strays.setdefault(pid, read_proc(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace")[:200])
+        services = {self.redis.proc.pid}
+        for pid in children_of(os.getpid()):
+            state = (proc_stat(pid) or (0, "Z"))[1]
+            comm = read_proc(pid, "comm").decode().strip()
+            if pid in services or state == "Z" or comm in ("postgres", "redis-server"):
+                continue
+            strays.setdefault(pid, read_proc(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace")[:200])
+        return strays
+
+    # --- the verdict ---------------------------------------------------------------------
+    def verdict(self) -> dict:
+        from django.db.models import Count, Sum
+
+        from orchestrator.engine.states import TERMINAL
+        from orchestrator.models import DemoDestination, Task, TaskEvent
+        from orchestrator.tasktypes.migrate_rows import CENTS, batch_ranges, source_amount
+
+        tasks = self.db(lambda: list(Task.objects.order_by("pk").values("pk", "type", "status", "params",
+                                                                          "status_reason", "recovery_attempts")))
+        statuses = collections.Counter(t["status"] for t in tasks)
+        types = collections.Counter(t["type"] for t in tasks)
+        with self.smtp.lock:
+            messages = list(self.smtp.log)
+        by_key = collections.defaultdict(list)
+        by_recipient = collections.Counter()
+        for at, key, to in messages:
+            by_key[key].append(at)
+            match = re.match(r"t(\d+):", key)
+            by_recipient[(int(match.group(1)) if match else None, to)] += 1
+
+        lost, lost_detail = collections.Counter(), []
+        rate = Decimal(str(MIGRATE_RATE))
+        checked_batches = {}
+        for t in tasks:
+            if t["status"] != "completed":
+                lost["tasks not completed"] += 1
+                lost_detail.append(f"task {t['pk']} ({t['type']}) is {t['status']}: {t['status_reason'][:300]}")
+            if t["type"] == "demo.notify":
+                for to in t["params"]["recipients"]:
+                    if not by_recipient[(t["pk"], to)]:
+                        lost["notify recipients without their email"] += 1
+                        lost_detail.append(f"task {t['pk']}: no email to {to}")
+            elif t["type"] == "demo.migrate_rows":
+                bad = []
+                for first, last in batch_ranges(t["params"]["rows"], t["params"]["batch_size"]):
+                    if (first, last) not in checked_batches:
+                        expected = sum((source_amount(i) * rate).quantize(CENTS) for i in range(first, last + 1))
+                        got = self.db(lambda: DemoDestination.objects.filter(id__gte=first, id__lte=last)
+                                      .aggregate(n=Count("id"), total=Sum("amount")))
+                        checked_batches[(first, last)] = (got["n"] == last - first + 1 and got["total"] == expected)
+                    if not checked_batches[(first, last)]:
+                        bad.append(f"{first}-{last}")
+                if bad:
+                    lost["migrate tasks with missing or wrong rows"] += 1
+                    lost_detail.append(f"task {t['pk']}: destination rows missing or wrong in {', '.join(bad[:5])}")
+            elif t["type"] == "demo.pipeline":
+                last = t["params"]["stages"]
+                output = self.run_dir / "var" / "pipeline" / f"task-{t['pk']}" / f"stage-{last:02d}.json"
+                if t["status"] == "completed" and not valid_stage_output(output, t["params"]["stages"]):
+                    lost["pipeline tasks without their output"] += 1
+                    lost_detail.append(f"task {t['pk']}: {output} missing or not the last stage's 20000 values")
+
+        dup_by_key = sum(len(v) - 1 for v in by_key.values() if len(v) > 1)
+        dup_by_recipient = sum(n - 1 for n in by_recipient.values() if n > 1)
+        # A not_happened decision asks for a repeat: a copy that had arrived before it (the
+        # reviewer looked too early) is explained by the decision, not by the engine.
+        explained = 0
+        for key, decided_at in self.not_happened.items():
+            copies = by_key.get(key, [])
+            if len(copies) > 1:
+                explained += min(len(copies) - 1, sum(1 for at in copies if at < decided_at))
+        duplicated = max(dup_by_key, dup_by_recipient) - explained
+        dup_detail = [f"{key}: {len(v)} copies" for key, v in by_key.items() if len(v) > 1][:20]
+        dup_detail += [f"task {task} -> {to}: {n} emails" for (task, to), n in by_recipient.items() if n > 1][:20]
+
+        stuck = [t for t in tasks if t["status"] not in TERMINAL]
+        causes = self.db(lambda: list(TaskEvent.objects.filter(kind="recovery").values_list("payload", flat=True)))
+        recoveries = len(causes)
+        by_cause = collections.Counter()
+        for payload in causes:
+            cause = (payload or {}).get("cause", "")
+            if not (payload or {}).get("dead_worker"):
+                by_cause["no lease holder (sliced or recovered, its message lost)"] += 1
+                continue
+            by_cause["executor died" if "executor pid" in cause else "worker shut down" if "shut down" in cause
+                     else "heartbeat stale" if "heartbeat" in cause else cause[:60] or "?"] += 1
+        return {
+            "faults": dict(sorted(self.faults.items())), "faults_total": sum(self.faults.values()),
+            "tasks": dict(statuses), "tasks_by_type": dict(types), "tasks_total": len(tasks),
+            "decisions": dict(self.decisions), "decisions_total": sum(self.decisions.values()),
+            "review_anomalies": self.review_anomalies, "recoveries": recoveries,
+            "recoveries_by_cause": dict(by_cause),
+            "messages": len(messages), "notes": dict(self.notes), "orphans_seen": len(self.orphans_seen),
+            "orphans_longest_seconds": round(max((b - a for a, b, _ in self.orphans_seen.values()), default=0), 2),
+            "orphan_commands": collections.Counter(
+                "pipeline stage script" if re.search(r"pipeline/task-\d+/stage-\d+\.py", c) else c[:80]
+                for _, _, c in self.orphans_seen.values()).most_common(5),
+            "lost": sum(lost.values()), "lost_breakdown": dict(lost), "lost_detail": lost_detail[:30],
+            "duplicated": duplicated,
+            "duplicated_breakdown": {"by_key": dup_by_key, "by_task_recipient": dup_by_recipient,
+                                     "explained_by_not_happened": explained},
+            "duplicated_detail": dup_detail,
+            "stray": len(self.strays), "stray_detail": [f"{pid}: {cmd}" for pid, cmd in self.strays.items()][:20],
+            "stuck": len(stuck), "stuck_detail": [f"task {t['pk']} ({t['type']}) {t['status']}: "
+                                                  f"{t['status_reason'][:200]}" for t in stuck][:20],
+        }
+
+    def report(self, v: dict) -> None:
+        o = self.opts
+        print(f"soak: {o.clusters} qcluster x {o.workers} workers + 1 sweeper; private PostgreSQL "
+              f"(:{self.pg.port}), private Redis broker (:{self.redis.port}), misbehaving SMTP (:{self.smtp.port}); "
+              f"seed {o.seed}")
+        print(f"time: fault phase {self.fault_seconds:.0f} s (asked {o.duration:g} s), settle {self.settle_seconds:.0f} s, "
+              f"total {time.monotonic() - self.t0:.0f} s")
+        print(f"faults by kind (total {v['faults_total']}, asked >= {o.faults}):")
+        for kind in ALL_KINDS:
+            print(f"  {kind:26} {v['faults'].get(kind, 0):6}")
+        print(f"tasks by final status (total {v['tasks_total']}): "
+              + ", ".join(f"{k} {n}" for k, n in sorted(v["tasks"].items())))
+        print("  by type: " + ", ".join(f"{k} {n}" for k, n in sorted(v["tasks_by_type"].items())))
+        print(f"review decisions (total {v['decisions_total']}): "
+              + (", ".join(f"{k} {n}" for k, n in sorted(v["decisions"].items())) or "none"))
+        print(f"recoveries (recovery events): {v['recoveries']} ("
+              + ", ".join(f"{k} {n}" for k, n in sorted(v["recoveries_by_cause"].items())) + ")")
+        print(f"messages received by SMTP: {v['messages']}; "
+              f"orphaned processes seen mid-run (re-parented to the soak): {v['orphans_seen']}, "
+              f"the longest seen alive for {v['orphans_longest_seconds']} s")
+        if v["orphan_commands"]:
+            print("  orphans: " + ", ".join(f"{n} x {cmd}" for cmd, n in v["orphan_commands"]))
+        for note, n in sorted(v["notes"].items()):
+            print(f"  {note}: {n}")
+        for anomaly in v["review_anomalies"][:10]:
+            print(f"  review anomaly: {anomaly}")
+        print("invariants (each must be 0):")
+        print(f"  lost        {v['lost']:5}   " + (", ".join(f"{k} {n}" for k, n in v["lost_breakdown"].items()) or "-"))
+        b = v["duplicated_breakdown"]
+        print(f"  duplicated  {v['duplicated']:5}   by X-Idempotency-Key {b['by_key']}, by (task, recipient) "
+              f"{b['by_task_recipient']}, explained by not_happened decisions {b['explained_by_not_happened']}")
+        print(f"  stray       {v['stray']:5}")
+        print(f"  stuck       {v['stuck']:5}")
+        for name in ("lost", "duplicated", "stray", "stuck"):
+            for line in v[f"{name}_detail"]:
+                print(f"    {name}: {line}")
+        ok = not (v["lost"] or v["duplicated"] or v["stray"] or v["stuck"])
+        self.passed = ok
+        print("RESULT: " + ("PASS" if ok else "FAIL") + (f" (run dir kept: {self.run_dir})" if not ok or o.keep else ""))
+
+    def run(self) -> dict:
+        from orchestrator.engine import processes
+
+        self.t0 = time.monotonic()
+        processes.become_subreaper()  # orphans of this run come to us: the process-tree check
+        self.fault_seconds = self.settle_seconds = 0.0
+        self.strays = {}
+        try:
+            self.start_services()
+            self.setup_django()
+            self.start_workers()
+            self.reviewer_thread = threading.Thread(target=self.review_loop, name="reviewer", daemon=True)
+            self.reviewer_thread.start()
+            log(f"workers up after {time.monotonic() - self.t0:.1f} s; injecting {self.opts.faults} faults "
+                f"over ~{self.opts.duration:g} s")
+            self.fault_phase()
+            log(f"{self.total_faults()} faults in {self.fault_seconds:.0f} s; {self.created} tasks; settling")
+            self.settle()
+            log(f"settled in {self.settle_seconds:.0f} s; shutting down")
+            self.shutdown()
+            verdict = self.verdict()
+            self.report(verdict)
+            return verdict
+        finally:
+            self.cleanup()
+
+    def cleanup(self) -> None:
+        for proc in [*getattr(self, "clusters", []), *([self.sweeper] if hasattr(self, "sweeper") else [])]:
+            if proc.alive():
+                proc.kill()
+        for pid in self.marker.living():
+            self.kill(pid)
+        if hasattr(self, "smtp"):
+            self.smtp.stop()
+        if hasattr(self, "redis"):
+            self.redis.stop()
+        if hasattr(self, "pg"):
+            self.pg.destroy()
+        ok = getattr(self, "passed", False)
+        if ok and not self.opts.keep:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def parse_args(argv=None):
+    env = os.environ.get
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--short", action="store_true", help=">= 20 faults in about a minute (the test's mode)")
+    parser.add_argument("--faults", type=int, default=env("SOAK_FAULTS"))
+    parser.add_argument("--tasks", type=int, default=env("SOAK_TASKS"))
+    parser.add_argument("--duration", type=float, default=env("SOAK_DURATION"))
+    parser.add_argument("--seed", type=int, default=env("SOAK_SEED"))
+    parser.add_argument("--settle-timeout", type=float, default=env("SOAK_SETTLE_TIMEOUT"))
+    parser.add_argument("--concurrency", type=int, default=env("SOAK_CONCURRENCY"))
+    parser.add_argument("--clusters", type=int, default=int(env("SOAK_CLUSTERS", "2")))
+    parser.add_argument("--workers", type=int, default=int(env("SOAK_WORKERS", "2")))
+    parser.add_argument("--json", default=env("SOAK_JSON"), help="write the summary there as JSON")
+    parser.add_argument("--keep", action="store_true", help="keep the run directory (logs) even when it passes")
+    opts = parser.parse_args(argv)
+    short = opts.short
+    opts.faults = int(opts.faults or (24 if short else 1000))
+    opts.duration = float(opts.duration or (50 if short else 1020))
+    opts.tasks = int(opts.tasks or 0)  # 0: as many as the fault phase needs
+    opts.seed = int(opts.seed) if opts.seed is not None else random.randrange(1_000_000)
+    opts.settle_timeout = float(opts.settle_timeout or (60 if short else 240))
+    opts.concurrency = int(opts.concurrency or (8 if short else 14))
+    if opts.clusters < 2:
+        parser.error("--clusters must be at least 2 (one is killed while the others run)")
+    return opts
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    soak = Soak(opts)
+    verdict = None
+    try:
+        verdict = soak.run()
+    finally:
+        if opts.json:
+            Path(opts.json).write_text(json.dumps(verdict, indent=2, default=str) if verdict else "null")
+    ok = not (verdict["lost"] or verdict["duplicated"] or verdict["stray"] or verdict["stuck"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
