@@ -32,14 +32,16 @@ from .events import append_event
 log = telemetry.ContextLogger(logging.getLogger(__name__))  # recovery's fields also reach its span
 
 SWEEPABLE = (S.RUNNING, S.PAUSING, S.STOPPING)
+WAITING = (S.QUEUED, S.RUNNING)  # with no lease holder: waiting for a worker to claim it
 
 
 def stale_tasks(now=None):
     """Tasks whose lease holder went quiet: running ones, and claimed ones whose executor
-    never started."""
+    never started. A task with no lease holder is not stale whatever its heartbeat says:
+    it is waiting for a worker (between time slices, or after a recovery), and
+    `requeue_unclaimed` sees to it without counting a recovery attempt."""
     cutoff = (now or timezone.now()) - timedelta(seconds=harness.stale_after_seconds)
-    return Task.objects.filter(heartbeat_at__lt=cutoff).filter(
-        Q(status__in=SWEEPABLE) | Q(status=S.QUEUED) & ~Q(lease_owner=""))
+    return Task.objects.filter(heartbeat_at__lt=cutoff, status__in=(*SWEEPABLE, S.QUEUED)).exclude(lease_owner="")
 
 
 def sweep() -> list[int]:
@@ -55,16 +57,18 @@ def sweep() -> list[int]:
 
 
 def requeue_unclaimed(now=None) -> list[int]:
-    """Re-send queued tasks that nobody claimed for ORCH_REQUEUE_AFTER_SECONDS."""
+    """Re-send tasks waiting for a worker that nobody claimed for ORCH_REQUEUE_AFTER_SECONDS:
+    `queued` ones, and `running` ones with no lease holder (between time slices, or
+    recovered) — their broker message may be lost."""
     now = now or timezone.now()
     cutoff = now - timedelta(seconds=harness.requeue_after_seconds)
-    waiting = (Task.objects.filter(status=S.QUEUED, lease_owner="")
+    waiting = (Task.objects.filter(status__in=WAITING, lease_owner="")
                .filter(Q(enqueued_at__lt=cutoff) | Q(enqueued_at__isnull=True, updated_at__lt=cutoff))
                .values_list("pk", "enqueued_at")[:500])
     sent = []
     for task_id, enqueued_at in waiting:
         # Compare-and-set: of several sweepers, one re-sends it.
-        if Task.objects.filter(pk=task_id, status=S.QUEUED, lease_owner="", enqueued_at=enqueued_at).update(
+        if Task.objects.filter(pk=task_id, status__in=WAITING, lease_owner="", enqueued_at=enqueued_at).update(
                 enqueued_at=now):
             scheduler.send(task_id)
             sent.append(task_id)

@@ -101,3 +101,17 @@ def test_redis_broker_restarted_while_tasks_run_every_task_completes(start_worke
     wait_for(lambda: all_completed(ids), timeout=120,
              message=f"every task to complete: {list(Task.objects.filter(pk__in=ids).values_list('status', flat=True))}")
     assert set(Step.objects.filter(task_id__in=ids).values_list("attempts", flat=True)) == {1}
+
+
+def test_a_task_waiting_between_slices_is_sent_again_not_counted_as_a_recovery(lost_sends):
+    # A healthy task that used up its time slice waits, `running` with no lease holder, for
+    # the next worker; its heartbeat ages while every worker is busy. That is no crash.
+    task = services.task_create(type="demo.pipeline", params=PIPELINE)
+    Task.objects.filter(pk=task.pk).update(status="running", lease_owner="",
+                                           heartbeat_at=timezone.now() - timedelta(seconds=600))
+    backdate_enqueue(task.pk)
+    lost_sends.clear()
+    assert recovery.sweep() == []  # nothing recovered ...
+    task = Task.objects.get(pk=task.pk)
+    assert task.recovery_attempts == 0 and not task.events.filter(kind="recovery").exists()
+    assert lost_sends == [task.pk]  # ... but its message is sent again, in case it was lost
