@@ -198,14 +198,21 @@ class Runner:
     # --- the loop -----------------------------------------------------------------------
     @telemetry.traced_run
     def run(self) -> str:
-        task = Task.objects.get(pk=self.lease.task_id)
+        # An executor started while the database is away waits for it rather than crash
+        # (a crash would cost the task a recovery attempt).
+        task = retry_while_down(lambda: Task.objects.get(pk=self.lease.task_id),
+                                seconds=harness.database_retry_seconds, logger=log, what="the run's start",
+                                extra={"task_id": self.lease.task_id})
         task_type = get_type(task.type)
         self.params = task_type.Params.model_validate(task.params)
         self.task_type = task_type
         self.limits = {**harness.default_limits, **task.limits}
         self.base_active_seconds, self.base_tokens = task.active_seconds, task.tokens_used
         try:
-            self.plan = checkpoint.ensure_plan(lease=self.lease, task_type=task_type, params=self.params)
+            self.plan = retry_while_down(
+                lambda: checkpoint.ensure_plan(lease=self.lease, task_type=task_type, params=self.params),
+                seconds=harness.database_retry_seconds, logger=log, what="loading the plan",
+                extra={"task_id": task.pk})
         except LeaseLost:
             log.info("lease lost before the run started", extra={"task_id": task.pk, "lease_epoch": self.lease.epoch})
             return "lease lost"
