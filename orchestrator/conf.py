@@ -64,6 +64,13 @@ TABLE: tuple[Setting, ...] = (
             "how long a finished step waits for an unreachable database to commit its checkpoint"),
     Setting("ORCH_STEP_MAX_ATTEMPTS", int, 3, "attempts per step before its failure policy applies"),
     Setting("ORCH_SNAPSHOT_KEEP", int, 10, "snapshot versions kept per task (older ones are pruned)"),
+    Setting("ORCH_SNAPSHOT_FULL_EVERY", int, 200,
+            "a full snapshot every this many versions; the versions between store only what changed"),
+    Setting("ORCH_RESULT_INLINE_BYTES", int, 65_536,
+            "a step result larger than this (as JSON) is stored apart and loaded only when needed"),
+    Setting("ORCH_PURE_STEP_SYNC_COMMIT", boolean, False,
+            "PostgreSQL: wait for the disk flush when committing a step that had no side effect "
+            "(off: such a step is recomputed if the database server itself crashes)"),
     Setting("ORCH_FAULTS", str, "", "fault injection for the crash tests (engine/faults.py); unset in production"),
     # --- limits every task gets unless its creator overrides them
     Setting("ORCH_DEFAULT_MAX_STEPS", int, 100_000, "default max_steps of a task"),
@@ -121,6 +128,18 @@ class HarnessSettings:
     @property
     def snapshot_keep(self) -> int:
         return settings.ORCH_SNAPSHOT_KEEP
+
+    @property
+    def snapshot_full_every(self) -> int:
+        return settings.ORCH_SNAPSHOT_FULL_EVERY
+
+    @property
+    def result_inline_bytes(self) -> int:
+        return settings.ORCH_RESULT_INLINE_BYTES
+
+    @property
+    def pure_step_sync_commit(self) -> bool:
+        return settings.ORCH_PURE_STEP_SYNC_COMMIT
 
     @property
     def max_recovery_attempts(self) -> int:

@@ -130,6 +130,12 @@ class Step(models.Model):
     # dependency was skipped (a summary step does, and is told which were).
     on_failure = models.CharField(max_length=20, blank=True)
     runs_after_skipped = models.BooleanField(default=False)
+    # The step that added this one to the plan while it ran ("" = the type's plan).
+    added_by = models.CharField(max_length=200, blank=True)
+    # A result larger than ORCH_RESULT_INLINE_BYTES lives in a StepResult row, loaded only
+    # when a dependant or a page asks for it; `result` is then null.
+    result_stored_apart = models.BooleanField(default=False)
+    result_bytes = models.PositiveIntegerField(default=0)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
@@ -186,13 +192,33 @@ class WalEntry(models.Model):
         return f"{self.tool} {self.idempotency_key} ({self.status})"
 
 
+class StepResult(models.Model):
+    """A step result too large to keep inline in its Step row (see Step.result_stored_apart)."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="large_results")
+    step_id = models.CharField(max_length=200)
+    data = models.JSONField(null=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["task", "step_id"], name="step_result_unique_per_task")]
+
+    def __str__(self):
+        return f"{self.task_id}/{self.step_id} result"
+
+
 class Snapshot(models.Model):
     """A checkpoint version: plan with step states, params, counters. Step results live
-    in Step rows (referenced, loaded lazily), so a snapshot row stays small."""
+    in Step rows (referenced, loaded lazily), so a snapshot row stays small.
+
+    A `full` row holds the whole state; a delta row (full=False) only what its version
+    changed (engine/snapshots.py reads a version as the newest full row at or below it
+    plus the deltas after it), so a commit's cost does not grow with the plan."""
 
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="snapshots")
     version = models.PositiveIntegerField()
     step_id = models.CharField(max_length=200, blank=True)
+    full = models.BooleanField(default=True)
     state = models.JSONField()
     created_at = models.DateTimeField(auto_now_add=True)
 

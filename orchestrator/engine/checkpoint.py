@@ -1,65 +1,186 @@
-"""Checkpoints: each finished step commits its result, its state, a new snapshot version
-and a progress event in one transaction, fenced on the lease. Nothing half-commits.
+"""Checkpoints: each finished step commits its result, its state, a snapshot version, the
+steps it added to the plan and a progress event in one transaction, fenced on the lease.
+Nothing half-commits.
 
-The snapshot holds the plan with step states, params and counters; step results stay in
-their Step rows (referenced by id) so a snapshot row stays small.
+The cost of a commit does not depend on the size of the plan: the snapshot row holds only
+what changed (engine/snapshots.py), the runner finds the next steps in a ready queue, and
+on PostgreSQL the common commit (a step with no added steps and an inline result) is one
+statement, sent and committed in one round trip. A step that performed no side effect is
+committed without waiting for the disk flush (ORCH_PURE_STEP_SYNC_COMMIT): if the database
+server itself crashes, it is recomputed; PostgreSQL flushes its log in order, so any later
+synchronous commit (a WAL intent, a status change) makes it durable too.
 """
+import heapq
+import json
 import logging
 import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from .. import telemetry
 from ..conf import harness
 from ..outage import retry_while_down
-from ..models import Snapshot, Step, StepStatus, Task, TaskStatus
-from . import wal
-from .events import create_event
-from .faults import fault_point
-from .lease import Lease, lock_fenced
+from ..models import (IdempotencyRecord, Snapshot, Step, StepResult, StepStatus, Task, TaskEvent, TaskStatus,
+                      WalEntry)
+from . import snapshots, wal
+from .events import NOTIFY_CHANNEL, create_event, cross_process_layer, publish_hint
+from .faults import _configured as configured_faults, fault_point
+from .lease import Lease, LeaseLost, lock_fenced
 
 log = logging.getLogger(__name__)
 
 FINISHED = (StepStatus.DONE, StepStatus.SKIPPED)
 
 
+class InvalidPlanGrowth(ValueError):
+    """A step tried to add steps that cannot join the plan (a duplicate id, an unknown dependency)."""
+
+
 @dataclass
 class PlanState:
-    """The runner's view of the plan; only the lease holder changes step states."""
+    """The runner's view of the plan; only the lease holder changes step states.
 
-    order: list[str]
-    depends_on: dict[str, tuple[str, ...]]
-    status: dict[str, str]
+    Kept incrementally: counters of done and finished steps, each step's dependants and
+    its number of unfinished dependencies, and a ready queue (by plan position) of pending
+    steps whose dependencies are all finished — so nothing rescans the plan per step."""
+
+    order: list[str] = field(default_factory=list)
+    depends_on: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    status: dict[str, str] = field(default_factory=dict)
     attempts: dict[str, int] = field(default_factory=dict)
     fingerprints: dict[str, str] = field(default_factory=dict)
     generations: dict[str, int] = field(default_factory=dict)
     on_failure: dict[str, str] = field(default_factory=dict)  # steps with a policy of their own
     runs_after_skipped: set[str] = field(default_factory=set)
+    added_by: dict[str, str] = field(default_factory=dict)  # steps added at run time, by their adder
+    position: dict[str, int] = field(default_factory=dict)
+    dependants: dict[str, list[str]] = field(default_factory=dict)
+    unfinished_deps: dict[str, int] = field(default_factory=dict)
+    version: int = 0  # the task's checkpoint version as this runner last committed it
+    done: int = 0
+    finished_count: int = 0
+    _ready: list[tuple[int, str]] = field(default_factory=list)
+    _queued: set[str] = field(default_factory=set)
 
+    # --- building ---------------------------------------------------------------------------
+    def add(self, step_id: str, depends_on, status: str = StepStatus.PENDING, *, position: int | None = None,
+            attempts: int = 0, fingerprint: str = "", generation: int = 0, on_failure: str = "",
+            runs_after_skipped: bool = False, added_by: str = "") -> None:
+        self.order.append(step_id)
+        self.position[step_id] = len(self.order) - 1 if position is None else position
+        self.depends_on[step_id] = tuple(depends_on)
+        self.status[step_id] = status
+        self.attempts[step_id] = attempts
+        self.dependants.setdefault(step_id, [])
+        if fingerprint:
+            self.fingerprints[step_id] = fingerprint
+        if generation:
+            self.generations[step_id] = generation
+        if on_failure:
+            self.on_failure[step_id] = on_failure
+        if runs_after_skipped:
+            self.runs_after_skipped.add(step_id)
+        if added_by:
+            self.added_by[step_id] = added_by
+        unfinished = 0
+        for dep in self.depends_on[step_id]:
+            self.dependants.setdefault(dep, []).append(step_id)
+            if self.status.get(dep) not in FINISHED:
+                unfinished += 1
+        self.unfinished_deps[step_id] = unfinished
+        if status == StepStatus.DONE:
+            self.done += 1
+        if status in FINISHED:
+            self.finished_count += 1
+        self.requeue(step_id)
+
+    def next_position(self) -> int:
+        return max(self.position.values(), default=-1) + 1
+
+    # --- state changes ------------------------------------------------------------------------
+    def set_status(self, step_id: str, status: str) -> None:
+        old = self.status[step_id]
+        if old == status:
+            return
+        self.status[step_id] = status
+        self.done += (status == StepStatus.DONE) - (old == StepStatus.DONE)
+        was_finished, is_finished = old in FINISHED, status in FINISHED
+        if was_finished != is_finished:
+            self.finished_count += 1 if is_finished else -1
+            for dependant in self.dependants.get(step_id, ()):
+                self.unfinished_deps[dependant] += -1 if is_finished else 1
+                if is_finished:
+                    self.requeue(dependant)
+        self.requeue(step_id)
+
+    def requeue(self, step_id: str) -> None:
+        """Put a pending step whose dependencies are finished in the ready queue (once)."""
+        if (self.status[step_id] == StepStatus.PENDING and not self.unfinished_deps[step_id]
+                and step_id not in self._queued):
+            self._queued.add(step_id)
+            heapq.heappush(self._ready, (self.position[step_id], step_id))
+
+    def take_ready(self, count: int, eligible=lambda step_id: True) -> list[str]:
+        """Up to `count` ready steps in plan order, taken out of the queue; steps that are
+        ready but not `eligible` now (a retry waiting out its backoff) stay queued."""
+        taken, held = [], []
+        while self._ready and len(taken) < count:
+            entry = heapq.heappop(self._ready)
+            step_id = entry[1]
+            self._queued.discard(step_id)
+            if self.status[step_id] != StepStatus.PENDING or self.unfinished_deps[step_id]:
+                continue  # stale entry: the step moved on since it was queued
+            if eligible(step_id):
+                taken.append(step_id)
+            else:
+                held.append(entry)
+        for entry in held:
+            self._queued.add(entry[1])
+            heapq.heappush(self._ready, entry)
+        return taken
+
+    # --- questions ----------------------------------------------------------------------------
     def done_count(self) -> int:
-        return sum(1 for s in self.status.values() if s == StepStatus.DONE)
+        return self.done
 
     def finished(self, step_id: str) -> bool:
         """Done, or skipped: either way, nothing more to run for it."""
         return self.status[step_id] in FINISHED
 
+    def all_finished(self) -> bool:
+        return self.finished_count == len(self.order)
+
     def skip_cascade(self, step_id: str) -> list[str]:
         """`step_id` and every unfinished step that (transitively) depends on it and does
         not run after skipped steps — in plan order (dependencies first)."""
-        skipped, cascade = {step_id}, [step_id]
-        for sid in self.order:
-            if sid in skipped or self.finished(sid) or sid in self.runs_after_skipped:
-                continue
-            if any(dep in skipped for dep in self.depends_on[sid]):
-                skipped.add(sid)
-                cascade.append(sid)
-        return cascade
+        skipped, frontier = {step_id}, [step_id]
+        while frontier:
+            for dependant in self.dependants.get(frontier.pop(), ()):
+                if dependant in skipped or self.finished(dependant) or dependant in self.runs_after_skipped:
+                    continue
+                skipped.add(dependant)
+                frontier.append(dependant)
+        return [step_id] + sorted(skipped - {step_id}, key=self.position.__getitem__)
+
+    def validate_growth(self, adder: str, specs: list) -> None:
+        """Raise InvalidPlanGrowth unless `specs` can join the plan as they are."""
+        known = set()
+        for spec in specs:
+            if spec.id in self.status or spec.id in known:
+                raise InvalidPlanGrowth(f"step {adder!r} tried to add step {spec.id!r}, but the plan already "
+                                        f"has a step with that id")
+            missing = [d for d in spec.depends_on if d not in self.status and d not in known]
+            if missing:
+                raise InvalidPlanGrowth(f"step {adder!r} added step {spec.id!r} depending on {missing}, which are "
+                                        f"neither in the plan nor added before it")
+            known.add(spec.id)
 
     def snapshot_state(self, task: Task) -> dict:
+        """The full state of the current version (O(plan): written every FULL_EVERY versions)."""
         state = {"params": task.params, "limits": task.limits, "status": task.status,
                  "steps": {sid: self.status[sid] for sid in self.order},
                  "counters": {"steps_done": self.done_count(), "tokens_used": task.tokens_used,
@@ -67,70 +188,229 @@ class PlanState:
         generations = {sid: g for sid, g in self.generations.items() if g}
         if generations:  # only steps re-run after an edit or rollback
             state["generations"] = generations
+        if self.added_by:
+            state["added_by"] = dict(self.added_by)
         return state
 
 
-def save_snapshot(task: Task, state: dict, step_id: str = "") -> Snapshot:
-    snapshot = Snapshot.objects.create(task=task, version=task.checkpoint_version, step_id=step_id, state=state)
-    keep = harness.snapshot_keep
-    if keep and task.checkpoint_version > keep:
-        # Bounded storage: one indexed DELETE per commit keeps the last `keep` versions.
-        Snapshot.objects.filter(task=task, version__lte=task.checkpoint_version - keep).delete()
-    return snapshot
+def save_snapshot(task: Task, state: dict, step_id: str = "") -> None:
+    """A full snapshot of the task's current version (plans written or rewritten, skips)."""
+    snapshots.write_full(task, state, step_id)
+
+
+@dataclass
+class StepCommit:
+    """What one finished step commits."""
+
+    step_id: str
+    result: Any
+    reads: list[str]
+    effects: list[wal.CompletedEffect]
+    started_at: datetime
+    tokens_used: int = 0
+    active_seconds: float = 0.0
+    added: list = field(default_factory=list)  # StepSpecs the step added to the plan
 
 
 @telemetry.traced_checkpoint
 def commit_step(*, lease: Lease, plan: PlanState, step_id: str, result: Any, reads: list[str],
                 effects: list[wal.CompletedEffect], started_at: datetime, tokens_used: int = 0,
-                active_seconds: float = 0.0) -> int:
-    """Commit a finished step; returns the new checkpoint version. Raises LeaseLost."""
+                active_seconds: float = 0.0, added: list | None = None) -> int:
+    """Commit a finished step; returns the new checkpoint version. Raises LeaseLost.
+
+    `plan` changes only once the commit is durable (a rolled-back commit leaves it as it was)."""
     fault_point("before_checkpoint", step_id)
-    now = timezone.now()
-    previous_status = plan.status[step_id]
-
-    def undo():  # the transaction rolled back: so does the plan
-        plan.status[step_id] = previous_status
-
-    try:
-        # The step's work (and its effects) happened: keep it until the database is back rather
-        # than die and make a recovery redo it. The commit is fenced: if a worker took the task
-        # over meanwhile, it fails with LeaseLost.
-        return retry_while_down(
-            lambda: _commit_step(lease=lease, plan=plan, step_id=step_id, result=result, reads=reads,
-                                 effects=effects, started_at=started_at, tokens_used=tokens_used,
-                                 active_seconds=active_seconds, now=now),
-            seconds=harness.database_retry_seconds, logger=log, what="checkpoint", on_failure=undo,
-            extra={"task_id": lease.task_id, "step_id": step_id})
-    except BaseException:
-        undo()
-        raise
-
-
-def _commit_step(*, lease, plan, step_id, result, reads, effects, started_at, tokens_used, active_seconds, now) -> int:
-    with transaction.atomic():
-        task = lock_fenced(lease)
-        plan.status[step_id] = StepStatus.DONE
-        attempts = plan.attempts.get(step_id, 0) + 1
-        task.checkpoint_version += 1
-        task.event_seq += 1
-        task.steps_done = plan.done_count()
-        task.tokens_used += tokens_used
-        task.active_seconds += active_seconds
-        task.heartbeat_at = now
-        task.save(update_fields=["checkpoint_version", "event_seq", "steps_done", "tokens_used",
-                                 "active_seconds", "heartbeat_at", "updated_at"])
-        wal.mark_done(effects)
-        Step.objects.filter(task=task, step_id=step_id).update(
-            status=StepStatus.DONE, result=result, reads=reads, attempts=attempts, error="",
-            started_at=started_at, finished_at=now)
-        save_snapshot(task, plan.snapshot_state(task), step_id)
-        fault_point("mid_checkpoint", step_id)  # crash tests: the whole checkpoint must vanish
-        create_event(task, task.event_seq, "step_done", {
-            "step": step_id, "version": task.checkpoint_version, "steps_done": task.steps_done,
-            "steps_total": task.steps_total, "seconds": round((now - started_at).total_seconds(), 3)})
-    plan.attempts[step_id] = attempts
+    commit = StepCommit(step_id, result, reads, effects, started_at, tokens_used, active_seconds, list(added or ()))
+    if commit.added:
+        plan.validate_growth(step_id, commit.added)
+    # The step's work (and its effects) happened: keep it until the database is back rather
+    # than die and make a recovery redo it. The commit is fenced: if a worker took the task
+    # over meanwhile, it fails with LeaseLost.
+    version = retry_while_down(lambda: _commit_step(lease, plan, commit),
+                               seconds=harness.database_retry_seconds, logger=log, what="checkpoint",
+                               extra={"task_id": lease.task_id, "step_id": step_id})
+    plan.version = version
+    plan.attempts[step_id] = plan.attempts.get(step_id, 0) + 1
+    for spec in commit.added:
+        plan.add(spec.id, spec.depends_on, position=plan.next_position(), on_failure=spec.on_failure,
+                 runs_after_skipped=spec.runs_after_skipped, added_by=step_id)
+    plan.set_status(step_id, StepStatus.DONE)
     fault_point("after_checkpoint", step_id)
-    return task.checkpoint_version
+    return version
+
+
+def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
+    now = timezone.now()
+    encoded = json.dumps(commit.result)
+    apart = len(encoded) > harness.result_inline_bytes
+    version = plan.version + 1
+    # One statement (and one round trip) unless this commit has more to write: a full
+    # snapshot, added steps, a result stored apart, or an armed crash-test fault point.
+    simple = (connection.vendor == "postgresql" and not commit.added and not apart
+              and not snapshots.full_due(version) and not configured_faults())
+    if simple:
+        row = _commit_statement_postgresql(lease, plan, commit, encoded, now, delta=True)
+        if row is None:
+            raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale")
+        _after_commit(lease.task_id, row, plan.done_count() + 1)
+        return row["checkpoint_version"]
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            row = _commit_statement_postgresql(lease, plan, commit, None if apart else encoded, now,
+                                               delta=not snapshots.full_due(version) and not commit.added)
+            if row is None:
+                raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale")
+        else:
+            row = _commit_statements_sqlite(lease, plan, commit, None if apart else encoded, now)
+        if apart:
+            StepResult.objects.update_or_create(task_id=lease.task_id, step_id=commit.step_id,
+                                                defaults={"data": commit.result})
+            Step.objects.filter(task_id=lease.task_id, step_id=commit.step_id).update(
+                result_stored_apart=True, result_bytes=len(encoded))
+        if commit.added:
+            _insert_added_steps(lease.task_id, plan, commit)
+        if commit.added or snapshots.full_due(row["checkpoint_version"]) or connection.vendor != "postgresql":
+            _write_snapshot(lease.task_id, plan, commit, row)
+        fault_point("mid_checkpoint", commit.step_id)  # crash tests: the whole checkpoint must vanish
+        task_id, done = lease.task_id, plan.done_count() + 1
+        transaction.on_commit(lambda: _after_commit(task_id, row, done))
+    return row["checkpoint_version"]
+
+
+def _after_commit(task_id: int, row: dict, steps_done: int) -> None:
+    if cross_process_layer() is not None:
+        publish_hint(task_id, row["event_seq"], row["status"], steps_done, row["steps_total"])
+
+
+TABLES = {name: model._meta.db_table for name, model in (
+    ("task", Task), ("step", Step), ("snapshot", Snapshot), ("event", TaskEvent), ("wal", WalEntry),
+    ("idempotency", IdempotencyRecord))}
+
+_POSTGRESQL_COMMIT = """
+WITH t AS (
+    UPDATE {task} SET checkpoint_version = checkpoint_version + 1, event_seq = event_seq + 1,
+        steps_done = %(steps_done)s, steps_total = steps_total + %(added)s, tokens_used = tokens_used + %(tokens)s,
+        active_seconds = active_seconds + %(active)s, heartbeat_at = %(now)s, updated_at = %(now)s
+    WHERE id = %(task_id)s AND lease_epoch = %(epoch)s AND lease_owner = %(owner)s
+    RETURNING checkpoint_version, event_seq, status, steps_total, tokens_used, active_seconds
+), s AS (
+    UPDATE {step} SET status = 'done', result = %(result)s::jsonb, reads = %(reads)s::jsonb,
+        attempts = %(attempts)s, error = '', started_at = %(started_at)s, finished_at = %(now)s
+    WHERE task_id = %(task_id)s AND step_id = %(step_id)s AND EXISTS (SELECT 1 FROM t)
+), snap AS (
+    INSERT INTO {snapshot} (task_id, version, step_id, "full", state, created_at)
+    SELECT %(task_id)s, t.checkpoint_version, %(step_id)s, false,
+        jsonb_build_object('steps', jsonb_build_object(%(step_id)s::text, 'done'), 'status', t.status,
+            'counters', jsonb_build_object('steps_done', %(steps_done)s::int, 'tokens_used', t.tokens_used,
+                                           'active_seconds', round(t.active_seconds::numeric, 3))),
+        %(now)s
+    FROM t WHERE %(delta)s
+), ev AS (
+    INSERT INTO {event} (task_id, seq, kind, payload, created_at)
+    SELECT %(task_id)s, t.event_seq, 'step_done',
+        jsonb_build_object('step', %(step_id)s::text, 'version', t.checkpoint_version,
+                           'steps_done', %(steps_done)s::int, 'steps_total', t.steps_total,
+                           'seconds', %(seconds)s::float8),
+        %(now)s
+    FROM t
+), effects AS (
+    SELECT * FROM jsonb_to_recordset(%(effects)s::jsonb) AS e(id bigint, key text, tool text, result jsonb)
+), w AS (
+    UPDATE {wal} SET status = 'done', result = effects.result, completed_at = %(now)s, error = ''
+    FROM effects WHERE {wal}.id = effects.id AND EXISTS (SELECT 1 FROM t)
+), i AS (
+    INSERT INTO {idempotency} (key, tool, result, created_at)
+    SELECT effects.key, effects.tool, effects.result, %(now)s FROM effects WHERE EXISTS (SELECT 1 FROM t)
+    ON CONFLICT (key) DO NOTHING
+)
+SELECT checkpoint_version, event_seq, status, steps_total, tokens_used, active_seconds,
+    pg_notify(%(channel)s, %(task_id)s::text || ':' || event_seq || ':' || status || ':' || %(steps_done)s::text
+              || ':' || steps_total),
+    set_config('synchronous_commit', %(sync)s, true)
+FROM t
+""".format(**TABLES)
+
+ROW_FIELDS = ("checkpoint_version", "event_seq", "status", "steps_total", "tokens_used", "active_seconds")
+
+
+def _commit_parameters(lease: Lease, plan: PlanState, commit: StepCommit, encoded_result, now) -> dict:
+    return {
+        "task_id": lease.task_id, "epoch": lease.epoch, "owner": lease.owner, "now": now,
+        "steps_done": plan.done_count() + 1, "added": len(commit.added), "tokens": commit.tokens_used,
+        "active": commit.active_seconds, "result": encoded_result, "reads": json.dumps(commit.reads),
+        "attempts": plan.attempts.get(commit.step_id, 0) + 1, "started_at": commit.started_at,
+        "step_id": commit.step_id, "seconds": round((now - commit.started_at).total_seconds(), 3),
+        "effects": json.dumps([{"id": e.entry_id, "key": e.key, "tool": e.tool, "result": e.result}
+                               for e in commit.effects]),
+    }
+
+
+def _commit_statement_postgresql(lease, plan, commit, encoded_result, now, *, delta: bool) -> dict | None:
+    parameters = _commit_parameters(lease, plan, commit, encoded_result, now)
+    parameters.update(delta=delta, channel=NOTIFY_CHANNEL,
+                      sync="on" if commit.effects or harness.pure_step_sync_commit else "off")
+    with connection.cursor() as cursor:
+        cursor.execute(_POSTGRESQL_COMMIT, parameters)
+        row = cursor.fetchone()
+    return dict(zip(ROW_FIELDS, row)) if row else None
+
+
+def _commit_statements_sqlite(lease, plan, commit, encoded_result, now) -> dict:
+    """The same commit as the PostgreSQL statement, as a few statements in the caller's transaction."""
+    p = _commit_parameters(lease, plan, commit, encoded_result, now)
+    now, started_at = (connection.ops.adapt_datetimefield_value(value) for value in (now, commit.started_at))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {TABLES['task']} SET checkpoint_version = checkpoint_version + 1, event_seq = event_seq + 1, "
+            f"steps_done = %s, steps_total = steps_total + %s, tokens_used = tokens_used + %s, "
+            f"active_seconds = active_seconds + %s, heartbeat_at = %s, updated_at = %s "
+            f"WHERE id = %s AND lease_epoch = %s AND lease_owner = %s "
+            f"RETURNING {', '.join(ROW_FIELDS)}",
+            [p["steps_done"], p["added"], p["tokens"], p["active"], now, now, p["task_id"], p["epoch"], p["owner"]])
+        found = cursor.fetchone()
+        if found is None:
+            raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale")
+        row = dict(zip(ROW_FIELDS, found))
+        cursor.execute(
+            f"UPDATE {TABLES['step']} SET status = 'done', result = %s, reads = %s, attempts = %s, error = '', "
+            f"started_at = %s, finished_at = %s WHERE task_id = %s AND step_id = %s",
+            [encoded_result if encoded_result is not None else "null", p["reads"], p["attempts"],
+             started_at, now, p["task_id"], commit.step_id])
+        cursor.execute(
+            f"INSERT INTO {TABLES['event']} (task_id, seq, kind, payload, created_at) VALUES (%s, %s, %s, %s, %s)",
+            [p["task_id"], row["event_seq"], "step_done",
+             json.dumps({"step": commit.step_id, "version": row["checkpoint_version"], "steps_done": p["steps_done"],
+                         "steps_total": row["steps_total"], "seconds": p["seconds"]}), now])
+    wal.mark_done(commit.effects)
+    return row
+
+
+def _insert_added_steps(task_id: int, plan: PlanState, commit: StepCommit) -> None:
+    first, task = plan.next_position(), Task(pk=task_id)
+    Step.objects.bulk_create([step_row(task, spec, first + i, added_by=commit.step_id)
+                              for i, spec in enumerate(commit.added)])
+
+
+def _write_snapshot(task_id: int, plan: PlanState, commit: StepCommit, row: dict) -> None:
+    """The snapshot row of a commit that was not written by the one-statement path."""
+    version = row["checkpoint_version"]
+    if snapshots.full_due(version):
+        task = Task.objects.get(pk=task_id)
+        state = plan.snapshot_state(task)
+        state["steps"][commit.step_id] = StepStatus.DONE
+        state["counters"]["steps_done"] = plan.done_count() + 1
+        for spec in commit.added:
+            state["steps"][spec.id] = StepStatus.PENDING
+            state.setdefault("added_by", {})[spec.id] = commit.step_id
+        snapshots.write_full(task, state, commit.step_id)
+        return
+    delta = {"steps": {commit.step_id: StepStatus.DONE, **{spec.id: StepStatus.PENDING for spec in commit.added}},
+             "status": row["status"],
+             "counters": {"steps_done": plan.done_count() + 1, "tokens_used": row["tokens_used"],
+                          "active_seconds": round(row["active_seconds"], 3)}}
+    if commit.added:
+        delta["added_by"] = {spec.id: commit.step_id for spec in commit.added}
+    Snapshot.objects.create(task_id=task_id, version=version, step_id=commit.step_id, state=delta, full=False)
 
 
 def commit_step_failure(*, lease: Lease, plan: PlanState, step_id: str, error: str, retrying: bool,
@@ -160,7 +440,8 @@ def _commit_step_failure(*, lease, plan, step_id, error, retrying, effects, star
         create_event(task, task.event_seq, "step_failed", {
             "step": step_id, "attempt": attempts, "error": error[:500], "retrying": retrying})
     plan.attempts[step_id] = attempts
-    plan.status[step_id] = status
+    plan.set_status(step_id, status)
+    plan.requeue(step_id)  # a retry runs again once its backoff is over
     if fingerprint:
         plan.fingerprints[step_id] = fingerprint
 
@@ -179,71 +460,69 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
                               extra={"worker": f"{lease.host}:{task.worker_pid}"})
         else:
             task.save(update_fields=["worker_pid"])
-        steps = plan_rows(task)
-        if not steps:
-            specs = task_type.plan(params)
-            known = set()
-            for spec in specs:
-                missing = [d for d in spec.depends_on if d not in known]
-                if missing:
-                    raise ValueError(f"step {spec.id!r} depends on {missing}, which come later or do not exist")
-                known.add(spec.id)
-            Step.objects.bulk_create([step_row(task, spec, i) for i, spec in enumerate(specs)])
-            task.steps_total = len(specs)
-            task.checkpoint_version += 1
-            task.event_seq += 1
-            task.save(update_fields=["steps_total", "checkpoint_version", "event_seq", "updated_at"])
-            steps = [(s.id, list(s.depends_on), StepStatus.PENDING, 0, "", 0, s.on_failure, s.runs_after_skipped)
-                     for s in specs]
-            plan = _plan_from(steps)
-            save_snapshot(task, plan.snapshot_state(task), "")
-            create_event(task, task.event_seq, "planned", {"steps": [s.id for s in specs][:200],
-                                                           "steps_total": len(specs)})
+        rows = plan_rows(task)
+        if rows:
+            plan = plan_from(rows)
+            plan.version = task.checkpoint_version
             return plan
-    return _plan_from(steps)
+        specs = task_type.plan(params)
+        known = set()
+        for spec in specs:
+            missing = [d for d in spec.depends_on if d not in known]
+            if missing:
+                raise ValueError(f"step {spec.id!r} depends on {missing}, which come later or do not exist")
+            known.add(spec.id)
+        Step.objects.bulk_create([step_row(task, spec, i) for i, spec in enumerate(specs)], batch_size=2000)
+        task.steps_total = len(specs)
+        task.checkpoint_version += 1
+        task.event_seq += 1
+        task.save(update_fields=["steps_total", "checkpoint_version", "event_seq", "updated_at"])
+        plan = PlanState()
+        for spec in specs:
+            plan.add(spec.id, spec.depends_on, on_failure=spec.on_failure, runs_after_skipped=spec.runs_after_skipped)
+        plan.version = task.checkpoint_version
+        save_snapshot(task, plan.snapshot_state(task), "")
+        create_event(task, task.event_seq, "planned", {"steps": [s.id for s in specs][:200],
+                                                       "steps_total": len(specs)})
+        return plan
 
 
-def step_row(task: Task, spec, position: int) -> Step:
-    """A new Step row from the type's StepSpec."""
+def step_row(task: Task, spec, position: int, added_by: str = "") -> Step:
+    """A new Step row from a StepSpec."""
     return Step(task=task, step_id=spec.id, position=position, title=spec.title or spec.id,
                 depends_on=list(spec.depends_on), declared_reads=list(spec.reads), on_failure=spec.on_failure,
-                runs_after_skipped=spec.runs_after_skipped)
+                runs_after_skipped=spec.runs_after_skipped, added_by=added_by)
+
+
+PLAN_FIELDS = ("step_id", "depends_on", "status", "attempts", "failure_fingerprint", "generation", "on_failure",
+               "runs_after_skipped", "added_by", "position")
 
 
 def plan_rows(task: Task) -> list[tuple]:
-    return list(Step.objects.filter(task=task).order_by("position")
-                .values_list("step_id", "depends_on", "status", "attempts", "failure_fingerprint", "generation",
-                             "on_failure", "runs_after_skipped"))
+    return list(Step.objects.filter(task=task).order_by("position").values_list(*PLAN_FIELDS))
 
 
-def snapshot_now(task: Task, step_id: str = "") -> Snapshot:
-    """A snapshot of the task as its Step rows stand (after a revision of the plan)."""
-    return save_snapshot(task, _plan_from(plan_rows(task)).snapshot_state(task), step_id)
+def snapshot_now(task: Task, step_id: str = "") -> None:
+    """A full snapshot of the task as its Step rows stand (after a revision of the plan)."""
+    save_snapshot(task, plan_from(plan_rows(task)).snapshot_state(task), step_id)
 
 
-def _plan_from(rows) -> PlanState:
-    plan = PlanState(order=[], depends_on={}, status={}, attempts={})
-    for step_id, depends_on, status, attempts, fingerprint, generation, on_failure, after_skipped in rows:
-        plan.order.append(step_id)
-        plan.depends_on[step_id] = tuple(depends_on)
+def plan_from(rows) -> PlanState:
+    """The plan from its Step rows (PLAN_FIELDS, in plan order)."""
+    plan = PlanState()
+    for step_id, depends_on, status, attempts, fingerprint, generation, on_failure, after_skipped, added_by, \
+            position in rows:
         # A step that was running when its worker died, or failed before a resume, runs again.
-        plan.status[step_id] = StepStatus.PENDING if status in (StepStatus.RUNNING, StepStatus.FAILED) else status
-        plan.attempts[step_id] = attempts
-        if fingerprint:
-            plan.fingerprints[step_id] = fingerprint
-        if generation:
-            plan.generations[step_id] = generation
-        if on_failure:
-            plan.on_failure[step_id] = on_failure
-        if after_skipped:
-            plan.runs_after_skipped.add(step_id)
+        status = StepStatus.PENDING if status in (StepStatus.RUNNING, StepStatus.FAILED) else status
+        plan.add(step_id, depends_on, status, position=position, attempts=attempts, fingerprint=fingerprint,
+                 generation=generation, on_failure=on_failure, runs_after_skipped=after_skipped, added_by=added_by)
     return plan
 
 
 def skip_steps(task: Task, plan: PlanState, step_id: str, error: str, *, by: str) -> list[str]:
     """Skip `step_id` (with its error) and the dependants it takes with it, as one checkpoint
-    of the locked `task`; returns the skipped ids. The caller updates `plan.status` once its
-    transaction has committed."""
+    of the locked `task`; returns the skipped ids. The caller updates the plan (`plan.set_status`)
+    once its transaction has committed."""
     cascade = plan.skip_cascade(step_id)
     now = timezone.now()
     Step.objects.filter(task=task, step_id=step_id).update(status=StepStatus.SKIPPED, error=error[:10_000],
@@ -251,13 +530,17 @@ def skip_steps(task: Task, plan: PlanState, step_id: str, error: str, *, by: str
     if len(cascade) > 1:
         Step.objects.filter(task=task, step_id__in=cascade[1:]).update(
             status=StepStatus.SKIPPED, error=f"skipped: depends on {step_id}, which was skipped", finished_at=now)
-    statuses = {**plan.status, **{sid: StepStatus.SKIPPED for sid in cascade}}
-    shadow = PlanState(order=plan.order, depends_on=plan.depends_on, status=statuses,
-                       generations=plan.generations)
     task.checkpoint_version += 1
     task.event_seq += 1
     task.save(update_fields=["checkpoint_version", "event_seq", "updated_at"])
-    save_snapshot(task, shadow.snapshot_state(task), step_id)
+    snapshots.write_delta(task, {"steps": {sid: StepStatus.SKIPPED for sid in cascade}, "status": task.status},
+                          step_id)
     create_event(task, task.event_seq, "step_skipped", {"step": step_id, "by": by, "error": error[:500],
                                                          "dependants": cascade[1:200], "version": task.checkpoint_version})
     return cascade
+
+
+def compact_snapshots(lease_task: Task, plan: PlanState) -> None:
+    """At the end of a run (in its finishing transaction): the last kept versions become
+    full rows, older ones go (engine/snapshots.py)."""
+    snapshots.compact(lease_task, plan.snapshot_state(lease_task))

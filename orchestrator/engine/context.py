@@ -69,6 +69,9 @@ class StepContext:
         self.lease = lease
         self.token = token
         self.completed_effects: list[wal.CompletedEffect] = []
+        # Steps this step adds to the plan: committed with its checkpoint, so a crash
+        # before it leaves none of them and the re-run adds them again.
+        self.added_steps: list = []
         self.tokens_used = 0
         self._runner = runner
         self._call_index = 0
@@ -84,6 +87,13 @@ class StepContext:
         return wal.perform(lease=self.lease, step_id=self.step_id, call_index=call_index, tool_name=tool,
                            args=args, token=self.token, completed=self.completed_effects,
                            generation=self.generation)
+
+    def add_steps(self, *specs) -> None:
+        """Grow the plan: `specs` (StepSpec) join the task when this step commits. They may
+        depend on any step of the plan, this one included, and on specs added before them."""
+        self.token.raise_if_cancelled()
+        with self._lock:
+            self.added_steps.extend(specs)
 
     def run_subprocess(self, argv: list[str], *, cwd: str | None = None, env: dict | None = None,
                        timeout: float | None = None) -> subprocess.CompletedProcess:

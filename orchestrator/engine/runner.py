@@ -25,9 +25,9 @@ from django.utils import timezone
 from .. import telemetry
 from ..conf import harness
 from ..outage import DATABASE_DOWN, OutageWatch, retry_while_down
-from ..models import StepStatus, Task, TaskStatus as S
+from ..models import Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
-from . import checkpoint, lease as leases, scheduler, states
+from . import checkpoint, lease as leases, results, scheduler, states
 from .cancellation import CancellationToken, Cancelled
 from .context import LimitExceeded, StepContext
 from .lease import Lease, LeaseLost
@@ -216,9 +216,10 @@ class Runner:
         except LeaseLost:
             log.info("lease lost before the run started", extra={"task_id": task.pk, "lease_epoch": self.lease.epoch})
             return "lease lost"
-        self.results = dict(Task.objects.get(pk=task.pk).steps.filter(status=StepStatus.DONE)
-                            .values_list("step_id", "result"))
-        self.skipped = dict(Task.objects.get(pk=task.pk).steps.filter(status=StepStatus.SKIPPED)
+        # Results are loaded when a dependant needs them (a long plan's results are not all
+        # held in memory); those of the latest steps stay cached for their dependants.
+        self.results = results.ResultCache(task.pk)
+        self.skipped = dict(Step.objects.filter(task_id=task.pk, status=StepStatus.SKIPPED)
                             .values_list("step_id", "error"))
         if task.recovering_since is not None:
             # Its state loaded and its lease held: the recovery got the task going again.
@@ -287,27 +288,22 @@ class Runner:
         return getattr(self, "_tokens_this_run", 0)
 
     def all_done(self) -> bool:
-        return all(self.plan.finished(s) for s in self.plan.order)
+        return self.plan.all_finished()
 
     def waiting_for_retry(self) -> bool:
         return any(self.plan.status[s] == StepStatus.PENDING for s in self.not_before)
 
-    def ready_steps(self, in_flight: dict) -> list[str]:
-        running = {f.step_id for f in in_flight.values()}
-        now = time.monotonic()
-        # A skipped dependency counts as finished here: dependants that do not run after
-        # skipped steps were skipped with it (PlanState.skip_cascade).
-        return [sid for sid in self.plan.order
-                if self.plan.status[sid] == StepStatus.PENDING and sid not in running
-                and self.not_before.get(sid, 0) <= now
-                and all(self.plan.finished(d) for d in self.plan.depends_on[sid])]
-
     def submit_ready(self, pool: ThreadPoolExecutor, in_flight: dict) -> None:
         capacity = max(1, int(self.limits["max_subtasks"])) - len(in_flight)
-        for step_id in self.ready_steps(in_flight)[:max(0, capacity)]:
+        if capacity <= 0:
+            return
+        now = time.monotonic()
+        # The ready queue holds pending steps whose dependencies are finished (a skipped
+        # dependency counts: dependants that do not run after skipped steps were skipped with it).
+        for step_id in self.plan.take_ready(capacity, lambda sid: self.not_before.get(sid, 0) <= now):
             deps = self.plan.depends_on[step_id]
             ctx = StepContext(task_id=self.lease.task_id, step_id=step_id, params=self.params,
-                              deps={d: self.results.get(d) for d in deps},
+                              deps=self.results.get_many(deps),
                               skipped={d: self.skipped[d] for d in deps if d in self.skipped},
                               lease=self.lease, token=self.token.child(step_id), runner=self,
                               generation=self.plan.generations.get(step_id, 0))
@@ -372,12 +368,20 @@ class Runner:
             version = checkpoint.commit_step(
                 lease=self.lease, plan=self.plan, step_id=step_id, result=result,
                 reads=ctx.params.keys_read, effects=ctx.completed_effects, started_at=flight.started_at,
-                tokens_used=ctx.tokens_used, active_seconds=self.take_active_seconds())
+                tokens_used=ctx.tokens_used, active_seconds=self.take_active_seconds(), added=ctx.added_steps)
         except LeaseLost:
             log.warning("lease lost: step result discarded", extra=extra)
             self.lose_lease()
             return
-        self.results[step_id] = result
+        except checkpoint.InvalidPlanGrowth as exc:
+            # The step's code asked for an impossible plan: running it again asks the same.
+            log.warning("step added steps that cannot join the plan", extra=extra)
+            self.record_failure(flight, f"InvalidPlanGrowth: {exc}", retrying=False,
+                                fingerprint=failure_fingerprint(exc))
+            if not self.lease_lost:
+                self.give_up(step_id, f"step {step_id} failed: {exc}")
+            return
+        self.results.put(step_id, result)
         self.not_before.pop(step_id, None)
         log.debug("step committed", extra={**extra, "checkpoint_version": version})
 
@@ -392,8 +396,9 @@ class Runner:
             except LeaseLost:
                 self.lose_lease()
                 return
+            self.plan.version += 1
             for sid in skipped:
-                self.plan.status[sid] = StepStatus.SKIPPED
+                self.plan.set_status(sid, StepStatus.SKIPPED)
                 self.skipped[sid] = why if sid == step_id else f"skipped: depends on {step_id}, which was skipped"
             log.warning("step skipped by its failure policy; the task goes on",
                         extra={"task_id": self.lease.task_id, "step_id": step_id, "skipped": skipped})
@@ -429,7 +434,10 @@ class Runner:
                 task = leases.lock_fenced(self.lease)
                 task.active_seconds += active_seconds
                 task.tokens_used = self.base_tokens + self.tokens_this_run()
-                return task, self.decide(task)
+                outcome = self.decide(task)
+                # The run's last versions become full snapshot rows (cheap to read at rest).
+                checkpoint.compact_snapshots(task, self.plan)
+                return task, outcome
 
         try:
             task, outcome = retry_while_down(write_outcome, seconds=harness.database_retry_seconds, logger=log,

@@ -152,7 +152,7 @@ def task_skip_step(*, task_id: int, step_id: str, reason: str, actor=None, ip=No
     dependants it takes with it) is skipped with the operator's reason, and the task goes
     on. Returns the skipped step ids."""
     from ..models import Step, StepStatus
-    from .checkpoint import _plan_from, plan_rows, skip_steps
+    from .checkpoint import plan_from, plan_rows, skip_steps
 
     if not (reason or "").strip():
         raise InvalidInput([FieldError("reason", "a reason is required: say why the task can go on without it")])
@@ -164,7 +164,7 @@ def task_skip_step(*, task_id: int, step_id: str, reason: str, actor=None, ip=No
             raise InvalidInput([FieldError("step_id", f"task #{task.pk} has no step {step_id!r}")])
         if step.status in (StepStatus.DONE, StepStatus.SKIPPED):
             raise InvalidInput([FieldError("step_id", f"step {step_id} is {step.status} already")])
-        plan = _plan_from(plan_rows(task))
+        plan = plan_from(plan_rows(task))
         plan.status[step_id] = step.status  # the plan view treats a failed step as pending; skip it as it is
         why = f"skipped by {getattr(actor, 'username', '') or 'an operator'}: {reason.strip()[:300]}"
         if step.error:

@@ -1,0 +1,138 @@
+"""Snapshot versions at a cost that does not grow with the plan.
+
+Each checkpoint writes a *delta* row: only what its version changed (the step it finished,
+steps it added, the counters, the task status). Every ORCH_SNAPSHOT_FULL_EVERY versions,
+and when a run ends (pause, stop, completion, end of a time slice), a *full* row holds the
+whole state. A version is read as the newest full row at or below it plus the deltas after
+it, so reading any kept version costs at most FULL_EVERY small rows.
+
+Retention: the last ORCH_SNAPSHOT_KEEP versions can always be read (and rolled back to).
+Rows are pruned only below a full row, never in a way that leaves a kept delta without
+its base; at the end of a run the last KEEP versions are rewritten full and everything
+older is deleted, so a task at rest keeps exactly KEEP rows.
+
+The state of a version (what `materialize` returns and the API shows):
+    {"params", "limits", "status", "steps": {step_id: status}, "counters": {...},
+     "generations": {step_id: n} (only steps re-run after an edit), "added_by": {step_id: adder}}
+"""
+import copy
+from collections.abc import Iterable
+
+from ..conf import harness
+from ..models import Snapshot, Task
+
+REPLACED_KEYS = ("params", "limits", "status", "counters", "generations")
+
+
+def apply_delta(state: dict, delta: dict) -> dict:
+    """`state` (a full state, changed in place) moved forward by one delta row."""
+    state.setdefault("steps", {}).update(delta.get("steps") or {})
+    if delta.get("added_by"):
+        state.setdefault("added_by", {}).update(delta["added_by"])
+    for key in REPLACED_KEYS:
+        if key in delta:
+            state[key] = delta[key]
+    return state
+
+
+def materialize(task_id: int, version: int) -> dict | None:
+    """The full state of `version`, or None when it is not kept."""
+    states = materialize_range(task_id, version, version)
+    return states.get(version)
+
+
+def materialize_range(task_id: int, first: int, last: int) -> dict[int, dict]:
+    """Full states of the kept versions between `first` and `last` (inclusive), by version:
+    one pass forward from the newest full row at or below `first`."""
+    base = (Snapshot.objects.filter(task_id=task_id, full=True, version__lte=first)
+            .order_by("-version").values_list("version", flat=True).first())
+    if base is None:  # `first` is older than what is kept: start at the oldest kept full row
+        base = (Snapshot.objects.filter(task_id=task_id, full=True, version__lte=last)
+                .order_by("version").values_list("version", flat=True).first())
+        if base is None:
+            return {}
+    rows = (Snapshot.objects.filter(task_id=task_id, version__gte=base, version__lte=last)
+            .order_by("version").values_list("version", "full", "state"))
+    states, state = {}, None
+    for version, full, row_state in rows:
+        state = copy.deepcopy(row_state) if full or state is None else apply_delta(state, row_state)
+        if version >= first:
+            states[version] = copy.deepcopy(state)
+    return states
+
+
+def kept_versions(task_id: int) -> list[int]:
+    """Every version that can be read (and rolled back to), oldest first."""
+    oldest_full = (Snapshot.objects.filter(task_id=task_id, full=True).order_by("version")
+                   .values_list("version", flat=True).first())
+    if oldest_full is None:
+        return []
+    return list(Snapshot.objects.filter(task_id=task_id, version__gte=oldest_full).order_by("version")
+                .values_list("version", flat=True))
+
+
+def write_full(task: Task, state: dict, step_id: str = "") -> None:
+    """A full row for the task's current checkpoint version (replacing a delta written for it)."""
+    Snapshot.objects.update_or_create(task_id=task.pk, version=task.checkpoint_version,
+                                      defaults={"step_id": step_id, "state": state, "full": True})
+    prune(task.pk, task.checkpoint_version)
+
+
+def write_delta(task: Task, delta: dict, step_id: str = "") -> None:
+    Snapshot.objects.create(task_id=task.pk, version=task.checkpoint_version, step_id=step_id, state=delta,
+                            full=False)
+
+
+def full_due(version: int) -> bool:
+    every = max(1, harness.snapshot_full_every)
+    return version % every == 0
+
+
+def prune(task_id: int, version: int) -> None:
+    """Delete what is no longer needed to read the last KEEP versions up to `version`:
+    everything below the newest full row at or below the oldest kept version."""
+    keep = harness.snapshot_keep
+    if not keep:
+        return
+    oldest_kept = version - keep + 1
+    base = (Snapshot.objects.filter(task_id=task_id, full=True, version__lte=oldest_kept)
+            .order_by("-version").values_list("version", flat=True).first())
+    if base is not None:
+        Snapshot.objects.filter(task_id=task_id, version__lt=base).delete()
+
+
+def compact(task: Task, current_state: dict) -> None:
+    """At the end of a run: the last KEEP versions become full rows and older rows go, so
+    a task at rest holds KEEP small-to-read rows. `current_state` is the state of the
+    task's current version (the runner has it in memory)."""
+    version, keep = task.checkpoint_version, max(1, harness.snapshot_keep or 1)
+    first = max(1, version - keep + 1)
+    states = materialize_range(task.pk, first, version - 1) if version > first else {}
+    states[version] = current_state
+    rows = {v: r for v, r in Snapshot.objects.filter(task_id=task.pk, version__gte=first)
+            .values_list("version", "full")}
+    for v, state in states.items():
+        if v in rows and not rows[v]:
+            Snapshot.objects.filter(task_id=task.pk, version=v).update(state=state, full=True)
+        elif v not in rows:
+            Snapshot.objects.create(task_id=task.pk, version=v, state=state, full=True)
+    if harness.snapshot_keep:
+        Snapshot.objects.filter(task_id=task.pk, version__lt=first).delete()
+
+
+def history(task_id: int, limit: int) -> list[tuple[Snapshot, dict]]:
+    """The newest `limit` kept versions, newest first, each with its full state."""
+    versions = kept_versions(task_id)[-limit:]
+    if not versions:
+        return []
+    states = materialize_range(task_id, versions[0], versions[-1])
+    rows = {s.version: s for s in Snapshot.objects.filter(task_id=task_id, version__in=versions)}
+    return [(rows[v], states[v]) for v in reversed(versions) if v in states and v in rows]
+
+
+def step_statuses(state: dict) -> dict[str, str]:
+    return state.get("steps") or {}
+
+
+def versions_of(snapshots: Iterable[Snapshot]) -> list[int]:
+    return sorted(s.version for s in snapshots)
