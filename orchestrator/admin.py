@@ -17,7 +17,7 @@ from review.models import ReviewItem
 
 from .models import (
     ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, Snapshot, Step,
-    Task, TaskEvent, WalEntry,
+    StepResult, Task, TaskEvent, WalEntry,
 )
 
 admin.site.site_header = "Orchestrator administration"
@@ -262,7 +262,18 @@ class WalEntryAdmin(AppendOnlyAdmin):
 
 @admin.register(Snapshot)
 class SnapshotAdmin(TaskRecordAdmin):
-    list_display = ("id", task_link, "version", "step_id", "created_at")
+    list_display = ("id", task_link, "version", "full", "step_id", "created_at")
+    list_filter = (TaskFilter, "full", "created_at")
+    search_fields = ("=task__id", "step_id")
+    date_hierarchy = "created_at"
+    list_select_related = ("task",)
+
+
+@admin.register(StepResult)
+class StepResultAdmin(TaskRecordAdmin):
+    """Large step results, stored apart from their Step rows (read-only like every task record)."""
+
+    list_display = ("id", task_link, "step_id", "created_at")
     list_filter = (TaskFilter, "created_at")
     search_fields = ("=task__id", "step_id")
     date_hierarchy = "created_at"

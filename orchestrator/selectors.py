@@ -1,6 +1,7 @@
 """Reads for pages, the API and the CLI (writes live in engine/services.py)."""
 from django.db.models import Q, QuerySet
 
+from .engine import results, snapshots
 from .models import Task, TaskStatus
 
 PAGE_SIZE = 50
@@ -47,9 +48,13 @@ def task_export(task_id: int) -> dict:
         return [model_to_dict(obj) | {"id": obj.pk} for obj in qs]
 
     last_snapshot = Snapshot.objects.filter(task=task).order_by("-version").first()
+    if last_snapshot is not None:
+        last_snapshot.state = snapshots.materialize(task.pk, last_snapshot.version)
+        last_snapshot.full = True
     return {
         "task": model_to_dict(task) | {"id": task.pk, "created_at": task.created_at, "updated_at": task.updated_at},
-        "steps": rows(Step.objects.filter(task=task).order_by("position")),
+        "steps": [model_to_dict(step) | {"id": step.pk, "result": results.result_of(step)}
+                  for step in Step.objects.filter(task=task).order_by("position")],
         "wal": rows(WalEntry.objects.filter(task=task).order_by("id")),
         "last_snapshot": model_to_dict(last_snapshot) if last_snapshot else None,
         "events": list(TaskEvent.objects.filter(task=task).order_by("seq").values("seq", "kind", "payload", "created_at")),

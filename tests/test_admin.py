@@ -11,7 +11,7 @@ from django.urls import reverse
 from orchestrator.engine import services
 from orchestrator.models import (
     ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, Snapshot, Step,
-    Task, TaskEvent, WalEntry,
+    StepResult, Task, TaskEvent, WalEntry,
 )
 from review.models import ReviewItem
 from review.services import review_decide, review_open
@@ -19,7 +19,7 @@ from review.services import review_decide, review_open
 pytestmark = pytest.mark.django_db
 
 PROJECT_APPS = ("orchestrator", "review")
-HARNESS_MODELS = [Task, Step, WalEntry, Snapshot, TaskEvent, IdempotencyRecord, AuditEntry, ReviewItem]
+HARNESS_MODELS = [Task, Step, WalEntry, Snapshot, StepResult, TaskEvent, IdempotencyRecord, AuditEntry, ReviewItem]
 TASK_RECORD_MODELS = [Step, WalEntry, Snapshot, TaskEvent, AuditEntry]
 APPEND_ONLY = [AuditEntry, WalEntry]
 READ_ONLY = [ReviewItem]  # decisions go through the review page or the API, which audit them
@@ -48,6 +48,7 @@ def records(superuser):
                                   idempotency_key="key-1", idempotent=True, lease_epoch=1, args={"rows": 3})
     IdempotencyRecord.objects.create(key="key-1", tool="db.upsert", result={"ok": True})
     Snapshot.objects.create(task=task, version=1, step_id="stage-1", state={"plan": []})
+    StepResult.objects.create(task=task, step_id="stage-1", data={"rows": list(range(10))})
     ApiToken.objects.create(user=superuser, token_hash="f" * 64, prefix="orch_abcdefg")
     DemoSource.objects.create(id=1, amount="1.5")
     DemoDestination.objects.create(id=1, amount="1.5")

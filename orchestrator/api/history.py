@@ -6,13 +6,15 @@ from django.core.serializers.json import DjangoJSONEncoder
 from ninja import Query, Router
 
 from .. import roles, selectors
-from ..models import AuditEntry, Snapshot, TaskEvent, WalEntry
+from ..engine import snapshots
+from ..models import AuditEntry, TaskEvent, WalEntry
 from .auth import require
 from .common import FOUND, MAX_ID, get_task, id_param, responses
 from .presenters import audit_out
 from .schemas import AuditOut, EventOut, SnapshotOut, WalOut
 
 router = Router(tags=["history"])
+SNAPSHOTS_RETURNED = 50
 
 
 @router.get("/tasks/{task_id}/wal", response=responses({200: list[WalOut]}, FOUND))
@@ -24,9 +26,11 @@ def task_wal(request, task_id: int = id_param("a task id")):
 
 @router.get("/tasks/{task_id}/snapshots", response=responses({200: list[SnapshotOut]}, FOUND))
 def task_snapshots(request, task_id: int = id_param("a task id")):
+    """The newest kept versions (at most 50), newest first, each with its full state."""
     require(request, roles.VIEWER)
     task = get_task(task_id)
-    return list(Snapshot.objects.filter(task=task).order_by("-version"))
+    return [{"version": snap.version, "step_id": snap.step_id, "state": state, "created_at": snap.created_at}
+            for snap, state in snapshots.history(task.pk, SNAPSHOTS_RETURNED)]
 
 
 @router.get("/tasks/{task_id}/events", response=responses({200: list[EventOut]}, FOUND))

@@ -21,7 +21,8 @@ def task_out(task: Task, user=None) -> dict:
     """The task as the API shows it to `user` (None: the system, e.g. the CLI)."""
     steps = [StepOut(id=s.step_id, title=s.title, status=s.status, depends_on=s.depends_on, reads=s.reads,
                      attempts=s.attempts, started_at=s.started_at, finished_at=s.finished_at,
-                     duration_seconds=s.duration_seconds, error=s.error, result=s.result)
+                     duration_seconds=s.duration_seconds, error=s.error, result=s.result, added_by=s.added_by,
+                     result_stored_apart=s.result_stored_apart, result_bytes=s.result_bytes)
              for s in task.steps.all()]
     running = task.status in ("running", "pausing", "stopping") and task.lease_owner
     return TaskOut(

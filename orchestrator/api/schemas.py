@@ -59,7 +59,18 @@ class StepOut(Schema):
     finished_at: datetime | None
     duration_seconds: float | None
     error: str
-    result: Any = None
+    result: Any = Field(None, description="null when the result is stored apart (see result_stored_apart)")
+    added_by: str = Field("", description="the step that added this one while it ran (empty: the type's plan)")
+    result_stored_apart: bool = Field(False, description="the result is large: GET "
+                                      "/api/tasks/{id}/steps/{step_id}/result returns it")
+    result_bytes: int = 0
+
+
+class StepResultOut(Schema):
+    step_id: str
+    status: str
+    result_bytes: int = Field(..., description="its size as JSON when stored apart, else 0")
+    result: Any
 
 
 class TaskSummaryOut(Schema):

@@ -1,13 +1,14 @@
 """/api/tasks: create a task, list them (a page at a time), one task with its steps."""
-from ninja import Query, Router, Status
+from ninja import Path, Query, Router, Status
 
 from .. import roles, selectors
-from ..engine import services
-from ..models import TaskStatus
+from ..engine import results, services
+from ..models import Step, TaskStatus
 from .auth import require
 from .common import BODY, FOUND, MAX_ID, PARAMS, client_ip, get_task, id_param, responses
 from .presenters import task_out, task_summary_out
-from .schemas import TaskCreateIn, TaskOut, TaskPageOut
+from .errors import NotFound
+from .schemas import StepResultOut, TaskCreateIn, TaskOut, TaskPageOut
 
 router = Router(tags=["tasks"])
 
@@ -36,3 +37,15 @@ def list_tasks(request, status: str = Query("", description="comma-separated sta
 def task_detail(request, task_id: int = id_param("a task id")):
     require(request, roles.VIEWER)
     return task_out(get_task(task_id), request.auth)
+
+
+@router.get("/tasks/{task_id}/steps/{step_id}/result", response=responses({200: StepResultOut}, FOUND))
+def step_result(request, task_id: int = id_param("a task id"), step_id: str = Path(..., max_length=200)):
+    """One step's result, wherever it is stored (a large one is not part of GET /api/tasks/{id})."""
+    require(request, roles.VIEWER)
+    task = get_task(task_id)
+    step = Step.objects.filter(task=task, step_id=step_id).first()
+    if step is None:
+        raise NotFound(f"Task #{task.pk} has no step {step_id!r}.")
+    return StepResultOut(step_id=step.step_id, status=step.status, result_bytes=step.result_bytes,
+                         result=results.result_of(step))

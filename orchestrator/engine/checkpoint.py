@@ -14,11 +14,14 @@ import heapq
 import json
 import logging
 import os
+
+import psycopg
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from django.db import connection, transaction
+from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
 from .. import telemetry
@@ -233,7 +236,8 @@ def commit_step(*, lease: Lease, plan: PlanState, step_id: str, result: Any, rea
     plan.attempts[step_id] = plan.attempts.get(step_id, 0) + 1
     for spec in commit.added:
         plan.add(spec.id, spec.depends_on, position=plan.next_position(), on_failure=spec.on_failure,
-                 runs_after_skipped=spec.runs_after_skipped, added_by=step_id)
+                 runs_after_skipped=spec.runs_after_skipped, added_by=step_id,
+                 generation=plan.generations.get(step_id, 0))
     plan.set_status(step_id, StepStatus.DONE)
     fault_point("after_checkpoint", step_id)
     return version
@@ -349,7 +353,10 @@ def _commit_statement_postgresql(lease, plan, commit, encoded_result, now, *, de
     parameters = _commit_parameters(lease, plan, commit, encoded_result, now)
     parameters.update(delta=delta, channel=NOTIFY_CHANNEL,
                       sync="on" if commit.effects or harness.pure_step_sync_commit else "off")
-    with connection.cursor() as cursor:
+    connection.ensure_connection()
+    # A server-side-binding cursor (Django's are client-side): psycopg prepares a statement
+    # it has run a few times, so PostgreSQL plans this one once per connection, not per step.
+    with CursorWrapper(psycopg.Cursor(connection.connection), connection) as cursor:
         cursor.execute(_POSTGRESQL_COMMIT, parameters)
         row = cursor.fetchone()
     return dict(zip(ROW_FIELDS, row)) if row else None
@@ -386,8 +393,11 @@ def _commit_statements_sqlite(lease, plan, commit, encoded_result, now) -> dict:
 
 
 def _insert_added_steps(task_id: int, plan: PlanState, commit: StepCommit) -> None:
+    # An added step inherits its adder's generation: when the adder runs again after an
+    # edit or a rollback, what it adds performs its effects under new idempotency keys.
     first, task = plan.next_position(), Task(pk=task_id)
-    Step.objects.bulk_create([step_row(task, spec, first + i, added_by=commit.step_id)
+    generation = plan.generations.get(commit.step_id, 0)
+    Step.objects.bulk_create([step_row(task, spec, first + i, added_by=commit.step_id, generation=generation)
                               for i, spec in enumerate(commit.added)])
 
 
@@ -487,11 +497,11 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
         return plan
 
 
-def step_row(task: Task, spec, position: int, added_by: str = "") -> Step:
+def step_row(task: Task, spec, position: int, added_by: str = "", generation: int = 0) -> Step:
     """A new Step row from a StepSpec."""
     return Step(task=task, step_id=spec.id, position=position, title=spec.title or spec.id,
                 depends_on=list(spec.depends_on), declared_reads=list(spec.reads), on_failure=spec.on_failure,
-                runs_after_skipped=spec.runs_after_skipped, added_by=added_by)
+                runs_after_skipped=spec.runs_after_skipped, added_by=added_by, generation=generation)
 
 
 PLAN_FIELDS = ("step_id", "depends_on", "status", "attempts", "failure_fingerprint", "generation", "on_failure",

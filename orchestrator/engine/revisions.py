@@ -20,10 +20,11 @@ from dataclasses import asdict, dataclass, field
 
 from django.db import transaction
 
-from ..models import Snapshot, Step, StepStatus, Task, TaskStatus as S, WalEntry, WalStatus
+from ..models import Step, StepStatus, Task, TaskStatus as S, WalEntry, WalStatus
 from ..tasktypes import get_type
+from ..tasktypes.base import StepSpec
 from ..tools.base import ToolError, get_tool
-from . import actions, scheduler, states
+from . import actions, scheduler, snapshots, states
 from .checkpoint import snapshot_now, step_row
 from .events import append_event
 
@@ -121,26 +122,49 @@ def preview_edit(task: Task, new_params: dict, actor=None) -> tuple[Preview, lis
     preview = Preview(task_id=task.pk, version=task.event_seq,
                       param_diff={k: [old.get(k), new_params.get(k)] for k in sorted(changed)})
     task_type = get_type(task.type)
-    new_specs = task_type.plan(task_type.Params.model_validate(new_params))
-    new_ids = {spec.id for spec in new_specs}
+    static_specs = task_type.plan(task_type.Params.model_validate(new_params))
+    static_ids = {spec.id for spec in static_specs}
     steps = {s.step_id: s for s in Step.objects.filter(task=task).order_by("position")}
     invalid: set[str] = set()
+    regenerate = any(s.added_by for s in steps.values()) and task_type.regenerate_added_steps(old, new_params)
+    adders = {s.added_by for s in steps.values() if s.added_by}
     for step in steps.values():  # positions are a topological order: dependencies first
         reads = set(step.reads if step.status == StepStatus.DONE else step.declared_reads)
-        if reads & changed or any(dep in invalid for dep in step.depends_on):
+        if (reads & changed or any(dep in invalid for dep in step.depends_on)
+                or (regenerate and step.step_id in adders)):
             invalid.add(step.step_id)
-    done = [s for s in steps.values() if s.status == StepStatus.DONE]
-    for step in done:
-        if step.step_id not in new_ids:
+    kept, dropped_added = set(), []
+    for step in steps.values():
+        survives = step.step_id in static_ids if not step.added_by else (step.added_by in kept and not regenerate)
+        if step.added_by and not survives:
+            dropped_added.append(step.step_id)
+        if step.status != StepStatus.DONE:
+            continue
+        if not survives:
             preview.removed.append(step.step_id)
         elif step.step_id in invalid:
             preview.rerun.append(step.step_id)
         else:
             preview.kept.append(step.step_id)
-    _set_repeats(preview, task, preview.rerun)
-    kept = set(preview.kept)
+            kept.add(step.step_id)
+    # Steps added by a step that runs again are dropped and added anew by it: their
+    # effects may be performed again too.
+    _set_repeats(preview, task, preview.rerun + [sid for sid in preview.removed if sid in set(dropped_added)])
+    new_specs = static_specs + added_specs(steps.values(), kept)
     preview.pending = [spec.id for spec in new_specs if spec.id not in kept]
     return preview, new_specs
+
+
+def added_specs(steps, kept: set[str]) -> list:
+    """The steps added at run time that stay in a revised plan: those whose adder is kept
+    (steps in position order, so an adder is decided before what it added)."""
+    specs = []
+    for step in steps:
+        if step.added_by and step.added_by in kept:
+            specs.append(StepSpec(step.step_id, title=step.title, depends_on=tuple(step.depends_on),
+                                  reads=tuple(step.declared_reads), on_failure=step.on_failure,
+                                  runs_after_skipped=step.runs_after_skipped))
+    return specs
 
 
 def apply_edit(*, task_id: int, new_params: dict, expected_version: int | None, limits: dict | None = None,
@@ -205,29 +229,36 @@ def _rewrite_plan(task: Task, specs, *, keep: set[str]) -> None:
 
 def preview_rollback(task: Task, version: int, actor=None) -> Preview:
     actions.require(task, "rollback", actor)
-    snapshot = Snapshot.objects.filter(task=task, version=version).first()
-    if snapshot is None:
-        kept = list(Snapshot.objects.filter(task=task).order_by("version").values_list("version", flat=True))
+    state = snapshots.materialize(task.pk, version)
+    if state is None:
         raise states.InvalidTransition(task, S.QUEUED, f"Task #{task.pk} has no snapshot v{version}; "
-                                       f"the kept versions are {kept}.")
-    state = snapshot.state
+                                       f"the kept versions are {snapshots.kept_versions(task.pk)}.")
     at_version = state.get("steps", {})
     gens_then = state.get("generations", {})
     preview = Preview(task_id=task.pk, version=task.event_seq, rollback_to=version,
                       param_diff={k: [task.params.get(k), state["params"].get(k)]
                                   for k in sorted(set(task.params) | set(state["params"]))
                                   if task.params.get(k) != state["params"].get(k)})
-    for step in Step.objects.filter(task=task, status=StepStatus.DONE).order_by("position"):
-        if at_version.get(step.step_id) == StepStatus.DONE and gens_then.get(step.step_id, 0) == step.generation:
-            preview.kept.append(step.step_id)
-        else:
-            preview.rerun.append(step.step_id)
-    preview.effects_after = _effects(task, preview.rerun)
     task_type = get_type(task.type)
-    specs = task_type.plan(task_type.Params.model_validate(state["params"]))
-    planned = {spec.id for spec in specs}
-    _set_repeats(preview, task, [sid for sid in preview.rerun if sid in planned])
-    preview.pending = [spec.id for spec in specs if spec.id not in set(preview.kept)]
+    static_specs = task_type.plan(task_type.Params.model_validate(state["params"]))
+    static_ids = {spec.id for spec in static_specs}
+    steps = list(Step.objects.filter(task=task).order_by("position"))
+    kept: set[str] = set()
+    for step in steps:  # in position order: an added step's adder is decided first
+        survives = step.added_by in kept if step.added_by else step.step_id in static_ids
+        if (survives and at_version.get(step.step_id) == StepStatus.DONE
+                and gens_then.get(step.step_id, 0) == step.generation):
+            kept.add(step.step_id)
+    for step in steps:
+        if step.status == StepStatus.DONE:
+            (preview.kept if step.step_id in kept else preview.rerun).append(step.step_id)
+    preview.effects_after = _effects(task, preview.rerun)
+    new_specs = static_specs + added_specs(steps, kept)
+    planned = {spec.id for spec in static_specs}
+    # Steps that run again: the static ones re-planned, and added ones their adder adds anew.
+    _set_repeats(preview, task, [sid for sid in preview.rerun
+                                 if sid in planned or any(s.step_id == sid and s.added_by for s in steps)])
+    preview.pending = [spec.id for spec in new_specs if spec.id not in kept]
     return preview
 
 
@@ -238,11 +269,11 @@ def apply_rollback(*, task_id: int, version: int, expected_version: int | None,
         preview = preview_rollback(task, version, actor)
         _check_fresh(task, expected_version)
         _confirm_repeats(task, preview, repeat_effects, actor=actor, ip=ip)
-        snapshot = Snapshot.objects.get(task=task, version=version)
         before = {"params": task.params, "checkpoint_version": task.checkpoint_version}
-        task.params = snapshot.state["params"]
+        task.params = snapshots.materialize(task.pk, version)["params"]
         task_type = get_type(task.type)
-        specs = task_type.plan(task_type.Params.model_validate(task.params))
+        steps = list(Step.objects.filter(task=task).order_by("position"))
+        specs = task_type.plan(task_type.Params.model_validate(task.params)) + added_specs(steps, set(preview.kept))
         _rewrite_plan(task, specs, keep=set(preview.kept))
         append_event(task, "rolled_back", {"to_version": version, "rerun": preview.rerun[:200],
                                            "effects_after": len(preview.effects_after)})

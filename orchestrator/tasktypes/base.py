@@ -50,6 +50,12 @@ class TaskType:
         """Execute one step; return a JSON-serialisable result (committed with the step)."""
         raise NotImplementedError
 
+    def regenerate_added_steps(self, old_params: dict, new_params: dict) -> bool:
+        """After a parameter edit: should the steps that steps added at run time be dropped
+        and their adders run again (to add them anew from the new params)? By default they
+        stay as long as their adder is kept (an invalidated adder always re-adds its steps)."""
+        return False
+
     def validate_resources(self, task: "Task") -> None:
         """Before a recovered task continues: raise with a message if an external resource
         it relies on is gone (the task then needs a human)."""

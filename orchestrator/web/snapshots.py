@@ -38,25 +38,24 @@ def state_changes(old: dict, new: dict) -> list[str]:
     return changes
 
 
-def snapshot_history(snapshots: list[Snapshot]) -> list[dict]:
-    """The kept snapshot versions, newest first, each with what changed from the previous
-    kept version (the oldest kept one has nothing to compare with)."""
-    ordered = sorted(snapshots, key=lambda snap: snap.version)
+def snapshot_history(kept: list[tuple[Snapshot, dict]]) -> list[dict]:
+    """The kept snapshot versions (each with its full state), newest first, each with what
+    changed from the previous kept version (the oldest kept one has nothing to compare with)."""
+    ordered = sorted(kept, key=lambda pair: pair[0].version)
     rows, previous = [], None
-    for snap in ordered:
-        state = snap.state if isinstance(snap.state, dict) else {}
+    for snap, state in ordered:
         row = {"snapshot": snap, "version": snap.version, "step_id": snap.step_id, "created_at": snap.created_at,
-               "previous": previous.version if previous else None, "changes": [], "more": 0, "note": ""}
+               "previous": previous[0].version if previous else None, "changes": [], "more": 0, "note": ""}
         if previous is None:
             steps = state.get("steps") or {}
             row["note"] = (f"first version: a plan of {len(steps)} step{'s' if len(steps) != 1 else ''}"
                            if snap.version == 1 else "oldest kept version (earlier ones were pruned)")
         else:
-            changes = state_changes(previous.state if isinstance(previous.state, dict) else {}, state)
+            changes = state_changes(previous[1], state)
             row["changes"], row["more"] = changes[:CHANGES_SHOWN], max(0, len(changes) - CHANGES_SHOWN)
             if not changes:
                 row["note"] = "no change"
         rows.append(row)
-        previous = snap
+        previous = (snap, state)
     rows.reverse()
     return rows

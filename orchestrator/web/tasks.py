@@ -15,7 +15,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from .. import selectors
-from ..engine import actions as task_actions, services, states
+from ..engine import actions as task_actions, services, snapshots, states
 from ..models import Task, TaskStatus
 from .access import client_ip, get_task, require_operator, task_types, viewer_required
 from .forms import attach_errors, json_text, limit_fields, param_fields, read_form
@@ -24,6 +24,7 @@ from .snapshots import snapshot_history
 STEP_ROWS_SHOWN = 2000
 WAL_ROWS_SHOWN = 500
 EVENTS_SHOWN = 200
+SNAPSHOTS_SHOWN = 50  # the newest kept versions (a long run keeps up to ORCH_SNAPSHOT_FULL_EVERY more)
 
 
 @require_GET
@@ -129,7 +130,7 @@ def task_detail(request, task_id: int):
         "steps_total": steps_total,
         "wal": wal,
         "wal_total": wal_total,
-        "snapshots": snapshot_history(list(task.snapshots.order_by("-version"))),
+        "snapshots": snapshot_history(snapshots.history(task.pk, SNAPSHOTS_SHOWN)),
         "events": events,
         "audit": audit,
         "actions": actions,
