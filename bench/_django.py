@@ -14,6 +14,9 @@ def setup(name: str, **env: str) -> None:
     if "DATABASE_URL" not in os.environ:
         os.environ["DATABASE_URL"] = f"sqlite:///{tempfile.mkdtemp()}/{name}.sqlite3"
     os.environ.setdefault("ORCH_LOG_LEVEL", "WARNING")
+    # As in production: DEBUG off (Django then keeps no per-query log).
+    os.environ.setdefault("DEBUG", "false")
+    os.environ.setdefault("SECRET_KEY", "bench-" + os.urandom(16).hex())
     os.environ.setdefault("ORCH_EXTRA_TASK_TYPES", "bench.benchtypes")
     os.environ.update(env)
     import django

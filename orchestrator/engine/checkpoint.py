@@ -147,6 +147,10 @@ class PlanState:
         return taken
 
     # --- questions ----------------------------------------------------------------------------
+    def has_ready(self) -> bool:
+        """Whether the ready queue holds a step (it may hold stale entries: then it says yes)."""
+        return bool(self._ready)
+
     def done_count(self) -> int:
         return self.done
 
@@ -420,7 +424,11 @@ def _write_snapshot(task_id: int, plan: PlanState, commit: StepCommit, row: dict
                           "active_seconds": round(row["active_seconds"], 3)}}
     if commit.added:
         delta["added_by"] = {spec.id: commit.step_id for spec in commit.added}
-    Snapshot.objects.create(task_id=task_id, version=version, step_id=commit.step_id, state=delta, full=False)
+    with connection.cursor() as cursor:
+        cursor.execute(f'INSERT INTO {TABLES["snapshot"]} (task_id, version, step_id, "full", state, created_at) '
+                       f'VALUES (%s, %s, %s, %s, %s, %s)',
+                       [task_id, version, commit.step_id, False, json.dumps(delta),
+                        connection.ops.adapt_datetimefield_value(timezone.now())])
 
 
 def commit_step_failure(*, lease: Lease, plan: PlanState, step_id: str, error: str, retrying: bool,

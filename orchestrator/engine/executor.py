@@ -42,7 +42,7 @@ def run_isolated(lease: Lease) -> str:
             processes.die_with_parent()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            Runner(lease).run()
+            Runner(lease, watched=True).run()  # this process's watchdog enforces Stop's grace
         except BaseException:
             log.exception("executor crashed", extra={"task_id": lease.task_id, "lease_epoch": lease.epoch})
             code = 1

@@ -151,8 +151,13 @@ def acknowledge(lease: Lease, control: str) -> None:
 
 
 class Runner:
-    def __init__(self, lease: Lease):
+    def __init__(self, lease: Lease, *, watched: bool = False):
         self.lease = lease
+        # In an isolated executor a watchdog kills the process tree when a Stop outlives
+        # its grace period, so a step that is the only one that can run may run on this
+        # thread (no thread-pool hop). Unwatched, steps always run in the pool, so this
+        # loop can escalate a Stop that a step ignores.
+        self.watched = watched
         self.token = CancellationToken(f"task-{lease.task_id}")
         self.control: str = ""
         self.lease_lost = False
@@ -232,8 +237,8 @@ class Runner:
         try:
             while True:
                 halt = self.halt_reason()
-                if not halt:
-                    self.submit_ready(pool, in_flight)
+                if not halt and self.submit_ready(pool, in_flight):
+                    continue  # a step ran on this thread: look again at once
                 if not in_flight:
                     if halt or self.all_done() or not self.waiting_for_retry():
                         break
@@ -293,25 +298,43 @@ class Runner:
     def waiting_for_retry(self) -> bool:
         return any(self.plan.status[s] == StepStatus.PENDING for s in self.not_before)
 
-    def submit_ready(self, pool: ThreadPoolExecutor, in_flight: dict) -> None:
+    def submit_ready(self, pool: ThreadPoolExecutor, in_flight: dict) -> bool:
+        """Start the steps that are ready; True when one ran (and settled) on this thread."""
         capacity = max(1, int(self.limits["max_subtasks"])) - len(in_flight)
         if capacity <= 0:
-            return
+            return False
         now = time.monotonic()
         # The ready queue holds pending steps whose dependencies are finished (a skipped
         # dependency counts: dependants that do not run after skipped steps were skipped with it).
-        for step_id in self.plan.take_ready(capacity, lambda sid: self.not_before.get(sid, 0) <= now):
+        ready = self.plan.take_ready(capacity, lambda sid: self.not_before.get(sid, 0) <= now)
+        alone = self.watched and len(ready) == 1 and not in_flight and not self.plan.has_ready()
+        for step_id in ready:
             deps = self.plan.depends_on[step_id]
             ctx = StepContext(task_id=self.lease.task_id, step_id=step_id, params=self.params,
                               deps=self.results.get_many(deps),
                               skipped={d: self.skipped[d] for d in deps if d in self.skipped},
                               lease=self.lease, token=self.token.child(step_id), runner=self,
                               generation=self.plan.generations.get(step_id, 0))
-            in_flight[pool.submit(self.execute, ctx)] = InFlight(step_id, ctx, timezone.now())
+            flight = InFlight(step_id, ctx, timezone.now())
+            if alone:
+                self.settle(self.execute_here(ctx), flight)
+                return True
+            in_flight[pool.submit(self.execute, ctx)] = flight
+        return False
+
+    def execute_here(self, ctx: StepContext) -> Future:
+        """Run a step on this thread; its outcome as a finished future, as the pool gives it."""
+        future: Future = Future()
+        try:
+            future.set_result(self.execute(ctx, pooled=False))
+        except BaseException as exc:  # delivered to settle(), as from the pool
+            future.set_exception(exc)
+        return future
 
     @telemetry.traced_step
-    def execute(self, ctx: StepContext):
-        close_old_connections()
+    def execute(self, ctx: StepContext, pooled: bool = True):
+        if pooled:  # a pool thread's connection may have gone stale between steps
+            close_old_connections()
         try:
             with ctx.token.track("step", ctx.step_id):
                 return self.task_type.run_step(ctx, ctx.step_id)

@@ -26,7 +26,10 @@ def drive_task(task_id: int) -> str:
     return Runner(lease).run()
 
 
-def drive_inline(task_id: int) -> str:
-    """Claim and run a task in this process and thread (tests, benchmarks, debugging)."""
+def drive_inline(task_id: int, *, watched: bool = False) -> str:
+    """Claim and run a task in this process and thread (tests, benchmarks, debugging).
+
+    `watched=True` runs it as an isolated executor does (a step that runs alone runs on the
+    runner's thread), without the watchdog that would enforce a Stop's grace period."""
     lease = claim(task_id)
-    return "not claimed" if lease is None else Runner(lease).run()
+    return "not claimed" if lease is None else Runner(lease, watched=watched).run()

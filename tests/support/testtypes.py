@@ -194,3 +194,85 @@ class Flaky(TaskType):
         path = task.params.get("resource")
         if path and not os.path.exists(path):
             raise FileNotFoundError(f"input file {path} is gone")
+
+
+class GrowingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: str = Field("fanout", pattern="^(fanout|chain|duplicate|unknown_dependency)$")
+    items: int = Field(3, ge=0, le=10_000)  # fanout: one step per item; chain: its length
+    factor: int = 1  # read by the item steps only
+    prefix: str = "item"  # read by the adder only: the ids it gives what it adds
+    effects: bool = True  # each item upserts a row (ids 700_000 + task * 1000 + index)
+    big_result_bytes: int = Field(0, ge=0)  # discover returns this much (a large result)
+
+
+@register
+class Growing(TaskType):
+    """A plan that grows while it runs.
+
+    fanout: `discover` (upserts a marker row) adds one step per item, each upserting its
+    row, and a `collect` step that depends on all the items (not on `discover`).
+    chain: `link-0` adds `link-1`, which adds `link-2`… until `items` links ran.
+    duplicate / unknown_dependency: `discover` asks for an impossible plan.
+    """
+
+    name = "test.growing"
+    Params = GrowingParams
+
+    def plan(self, params):
+        return [StepSpec("link-0")] if params.mode == "chain" else [StepSpec("discover")]
+
+    def row_id(self, ctx, index: int) -> int:
+        return 700_000 + ctx.task_id * 1000 + index
+
+    def run_step(self, ctx, step_id):
+        p = ctx.params
+        if step_id.startswith("link-"):
+            index = int(step_id.split("-")[1])
+            if index + 1 < p.items:
+                ctx.add_steps(StepSpec(f"link-{index + 1}", depends_on=(step_id,)))
+            return index + (ctx.deps.get(f"link-{index - 1}") or 0)
+        if step_id == "discover":
+            if p.effects:
+                ctx.effect("db.upsert", {"table": "demo_destination", "columns": ["id", "amount"],
+                                         "rows": [[self.row_id(ctx, 999), "1.0000"]]})
+            prefix = p.prefix
+            if p.mode == "duplicate":
+                ctx.add_steps(StepSpec("discover"))
+            elif p.mode == "unknown_dependency":
+                ctx.add_steps(StepSpec(f"{prefix}-0", depends_on=("nowhere",)))
+            else:
+                items = [f"{prefix}-{i}" for i in range(p.items)]
+                ctx.add_steps(*[StepSpec(item, depends_on=("discover",)) for item in items],
+                              StepSpec("collect", depends_on=tuple(items)))
+            return {"items": p.items, "padding": "x" * p.big_result_bytes}
+        if step_id == "collect":
+            return sum(value for key, value in ctx.deps.items() if key != "discover")
+        index = int(step_id.rsplit("-", 1)[1])
+        if p.effects:
+            ctx.effect("db.upsert", {"table": "demo_destination", "columns": ["id", "amount"],
+                                     "rows": [[self.row_id(ctx, index), f"{index}.0000"]]})
+        return index * p.factor
+
+
+class LongParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    steps: int = Field(100, ge=1, le=100_000)
+    factor: int = 1  # read by the second half of the chain only
+
+
+@register
+class Long(TaskType):
+    """A long chain of pure steps; an edit of `factor` invalidates its second half."""
+
+    name = "test.long"
+    Params = LongParams
+
+    def plan(self, params):
+        return [StepSpec(f"s{i:05d}", depends_on=(f"s{i - 1:05d}",) if i else ()) for i in range(params.steps)]
+
+    def run_step(self, ctx, step_id):
+        index = int(step_id[1:])
+        if index >= ctx.params.steps // 2:
+            return index * ctx.params.factor
+        return index
