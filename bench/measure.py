@@ -138,25 +138,41 @@ class PgServer:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
             return True
 
-    def xact_commits(self, databases: list[str], *, stable_for: float = 1.5, interval: float = 0.1,
-                     timeout: float = 30.0) -> int:
-        """The sum of `xact_commit` over `databases`, once it has stopped moving for `stable_for`
-        seconds. Backends report their counters when they go idle, at most once a second
-        (PGSTAT_MIN_INTERVAL), so a value unchanged for longer than that is settled. Background
-        work (heartbeats, pollers, autovacuum) keeps counting: after `timeout` the last value is
-        returned."""
+    def xact_commits_now(self, databases: list[str]) -> int:
+        """The sum of `xact_commit` over `databases` as the statistics show it now."""
+        with self.connect() as conn:
+            return self._xact(conn, databases)
+
+    @staticmethod
+    def _xact(conn, databases) -> int:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        return int(conn.execute("SELECT coalesce(sum(xact_commit), 0) FROM pg_stat_database "
+                                "WHERE datname = ANY(%s)", (list(databases),)).fetchone()[0])
+
+    def xact_commits(self, databases: list[str], *, stable_for: float = 1.0, interval: float = 0.2,
+                     timeout: float = 60.0) -> int:
+        """The sum of `xact_commit` over `databases`, once every transaction so far is counted.
+
+        A backend reports its counters when it goes idle, but at most once a second; what it
+        could not report then waits up to PGSTAT_IDLE_INTERVAL (10 s) while it stays idle, and is
+        reported at once when it exits. So the figure is settled when it has not moved for
+        `stable_for` seconds and every other session on those databases has exited or has been
+        idle for more than 10 s (close the measured system's connections to be quick). After
+        `timeout` the current value is returned."""
         deadline = time.monotonic() + timeout
         with self.connect() as conn:
             last, since = None, time.monotonic()
             while True:
-                conn.execute("SELECT pg_stat_clear_snapshot()")
-                value = conn.execute("SELECT coalesce(sum(xact_commit), 0) FROM pg_stat_database "
-                                     "WHERE datname = ANY(%s)", (list(databases),)).fetchone()[0]
+                value = self._xact(conn, databases)
+                recent = conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = ANY(%s) AND pid <> pg_backend_pid() "
+                    "AND backend_type = 'client backend' AND (state IS DISTINCT FROM 'idle' "
+                    "OR state_change > now() - interval '10.5 seconds')", (list(databases),)).fetchone()[0]
                 now = time.monotonic()
                 if value != last:
                     last, since = value, now
-                elif now - since >= stable_for or now > deadline:
-                    return int(value)
+                elif (not recent and now - since >= stable_for) or now > deadline:
+                    return value
                 time.sleep(interval)
 
     def table_bytes(self, database: str, *, tables: list[str] | None = None, schema: str | None = None) -> dict:
