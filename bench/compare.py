@@ -585,7 +585,8 @@ def main(argv=None):
             results["dbos"] = section_dbos(bench, steps)
         if "langgraph" in sections:
             results["langgraph"] = section_langgraph(bench, steps)
-        print(HEADER)
+        if any(results.values()):
+            print(HEADER)
         for figures in results.values():
             if figures is not None:
                 print(figures.line())
