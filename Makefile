@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PORT ?= 8000
 export PORT
 
-.PHONY: run test test-postgres install migrate clean
+.PHONY: run test test-postgres install migrate bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -26,6 +26,16 @@ run: migrate
 ## Run the test suite (DATABASE_URL selects PostgreSQL; REDIS_URL the Redis channel layer).
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+## Side-by-side benchmark on PostgreSQL (DATABASE_URL, default .../bench_compare; created if missing):
+## ours vs DBOS vs LangGraph, our engine at 100/1,000/10,000 steps, many tasks on real workers.
+## BENCH_ARGS="--only ours,scale" (or --skip latency) picks sections; BENCH_MAX_STEPS caps step counts.
+$(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install --quiet -e '.[bench]'
+	touch $@
+
+bench: $(VENV)/.bench-installed
+	$(PY) bench/compare.py $(BENCH_ARGS)
 
 clean:
 	rm -rf var/ .pytest_cache
