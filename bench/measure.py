@@ -75,9 +75,11 @@ def run_task(type_name: str, params: dict, *, limits: dict | None = None) -> tup
     start = time.perf_counter()
     task = services.task_create(type=type_name, params=params,
                                 limits={"max_subtasks": 1} if limits is None else limits)
-    outcome = drive_inline(task.pk)
+    # watched=True: as in an isolated executor (production's default), a step that runs
+    # alone runs on the runner's thread.
+    outcome = drive_inline(task.pk, watched=True)
     while outcome == "sliced":  # its time slice (ORCH_SLICE_SECONDS) used up: it re-enqueued itself; go on
-        outcome = drive_inline(task.pk)
+        outcome = drive_inline(task.pk, watched=True)
     elapsed = time.perf_counter() - start
     if outcome != "completed":
         raise RuntimeError(f"task {task.pk} ended {outcome!r}")
