@@ -349,14 +349,17 @@ def _commit_parameters(lease: Lease, plan: PlanState, commit: StepCommit, encode
         "attempts": plan.attempts.get(commit.step_id, 0) + 1, "started_at": commit.started_at,
         "step_id": commit.step_id, "seconds": round((now - commit.started_at).total_seconds(), 3),
         "effects": json.dumps([{"id": e.entry_id, "key": e.key, "tool": e.tool, "result": e.result}
-                               for e in commit.effects]),
+                               for e in commit.effects if not e.committed]),
     }
 
 
 def _commit_statement_postgresql(lease, plan, commit, encoded_result, now, *, delta: bool) -> dict | None:
     parameters = _commit_parameters(lease, plan, commit, encoded_result, now)
     parameters.update(delta=delta, channel=NOTIFY_CHANNEL,
-                      sync="on" if commit.effects or harness.pure_step_sync_commit else "off")
+                      # An effect recorded only by this commit needs it on disk; a step whose
+                      # effects committed in their own transactions is recomputed like a pure one.
+                      sync="on" if any(not e.committed for e in commit.effects) or harness.pure_step_sync_commit
+                      else "off")
     connection.ensure_connection()
     # A server-side-binding cursor (Django's are client-side): psycopg prepares a statement
     # it has run a few times, so PostgreSQL plans this one once per connection, not per step.

@@ -1,7 +1,8 @@
 """The write-ahead-log protocol for side effects.
 
 1. Commit a WalEntry `pending` (fenced on the lease) with the tool, args and a
-   deterministic idempotency key: task, step, call index — the same on replay.
+   deterministic idempotency key: task, step, call index — the same on replay. The look
+   for an earlier execution and the intent are one transaction.
 2. Perform the effect, passing the key to the tool.
 3. Record `done` with the result (or `failed` with the error). `done` is committed with
    the step's checkpoint (runner), so a side-effect step costs two commits: intent and
@@ -15,6 +16,10 @@ How a tool's failure is read (tools/base.py):
   other side. An idempotent tool retries with the same key; a non-idempotent one stays
   `pending` with the error recorded and raises AmbiguousEffect: the task goes to review,
   exactly as if its worker had died in the middle of the call.
+
+A *transactional* tool (its effect is writes in the harness's own database: db.upsert)
+commits intent, effect, idempotency record and `done` in one transaction: all or nothing,
+never in doubt, and the step costs two commits (that one and its checkpoint).
 
 Before performing, the WAL and the idempotency store are consulted: a recorded result is
 reused, never performed twice. A `pending` entry found on re-execution means an earlier
@@ -62,18 +67,37 @@ class EffectFailed(Exception):
 
 @dataclass
 class CompletedEffect:
-    """An effect that happened and whose `done` is committed with the step checkpoint."""
+    """An effect that happened and whose `done` is committed with the step checkpoint
+    (`committed`: already recorded done, in the effect's own transaction)."""
 
     entry_id: int
     key: str
     tool: str
     result: Any
+    committed: bool = False
 
 
 def idempotency_key(task_id: int, step_id: str, call_index: int, generation: int = 0) -> str:
     """Deterministic: the same step, generation and call give the same key on every replay."""
     step = f"{step_id}@{generation}" if generation else step_id
     return f"t{task_id}:{step}:{call_index}"
+
+
+def _recorded(entry: WalEntry | None, key: str, tool_name: str, completed: list) -> tuple[bool, Any]:
+    """What an earlier execution already settled for this key: (found, result)."""
+    if entry is None:
+        # A key can only be in the idempotency store once its intent was written: on a
+        # first execution there is nothing more to look up.
+        return False, None
+    if entry.status == WalStatus.DONE:
+        return True, entry.result  # decided by a reviewer, or recorded before a crash
+    if entry.status == WalStatus.SKIPPED:
+        return True, None  # a reviewer decided the task goes on without this effect
+    recorded = IdempotencyRecord.objects.filter(key=key).first()
+    if recorded is not None:
+        completed.append(CompletedEffect(entry.pk, key, tool_name, recorded.result))
+        return True, recorded.result
+    return False, None
 
 
 @telemetry.traced_effect
@@ -83,28 +107,26 @@ def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args
     tool = get_tool(tool_name)
     tool.validate(args)
     key = idempotency_key(lease.task_id, step_id, call_index, generation)
+    if tool.transactional:
+        return _perform_in_transaction(lease=lease, step_id=step_id, call_index=call_index, tool=tool, args=args,
+                                       key=key, token=token, completed=completed)
 
-    entry = WalEntry.objects.filter(idempotency_key=key).first()
-    if entry is not None and entry.status == WalStatus.DONE:
-        return entry.result  # decided by a reviewer, or recorded before a crash
-    if entry is not None and entry.status == WalStatus.SKIPPED:
-        return None  # a reviewer decided the task goes on without this effect
-    # A key can only be in the idempotency store once its intent was written: on a first
-    # execution (no entry) there is nothing to look up.
-    recorded = IdempotencyRecord.objects.filter(key=key).first() if entry is not None else None
-    if recorded is not None:
-        completed.append(CompletedEffect(entry.pk, key, tool_name, recorded.result))
-        return recorded.result
-    if entry is not None and entry.status == WalStatus.PENDING and not tool.is_idempotent(entry.args):
-        raise AmbiguousEffect(entry)
-
-    fault_point("before_intent", step_id)
-    if entry is None:
-        entry = write_intent(lease=lease, step_id=step_id, call_index=call_index, tool_name=tool_name,
-                             args=tool.wal_args(args), key=key, idempotent=tool.is_idempotent(args))
-    elif entry.status == WalStatus.FAILED:
-        # A failed effect did not happen: the retry reuses the entry (and its key).
-        WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.PENDING, error="", completed_at=None)
+    # Look for an earlier execution and write the intent in one transaction (one commit).
+    with transaction.atomic():
+        entry = WalEntry.objects.filter(idempotency_key=key).first()
+        found, result = _recorded(entry, key, tool_name, completed)
+        if found:
+            return result
+        if entry is not None and entry.status == WalStatus.PENDING and not tool.is_idempotent(entry.args):
+            raise AmbiguousEffect(entry)
+        fault_point("before_intent", step_id)
+        bump_fenced(lease)  # a worker whose lease is stale writes no intent
+        if entry is None:
+            entry = new_entry(lease, step_id, call_index, tool_name, tool.wal_args(args), key, tool.is_idempotent(args))
+        elif entry.status == WalStatus.FAILED:
+            # A failed effect did not happen: the retry reuses the entry (and its key).
+            WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.PENDING, error="", completed_at=None)
+    log.debug("wal intent", extra={"task_id": lease.task_id, "step_id": step_id, "wal_entry_id": entry.pk})
     fault_point("after_intent", step_id)
     try:
         result = tool.perform(args, key=key, token=token)  # tools hold the "during_effect" fault point
@@ -131,16 +153,46 @@ def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args
     return result
 
 
+def _perform_in_transaction(*, lease, step_id, call_index, tool, args, key, token, completed) -> Any:
+    """A tool whose effect is writes in the harness's own database: its intent, the effect,
+    its idempotency record and its `done` commit together — all or nothing, never in doubt."""
+    with transaction.atomic():
+        entry = WalEntry.objects.filter(idempotency_key=key).first()
+        found, result = _recorded(entry, key, tool.name, completed)
+        if found:
+            return result
+        fault_point("before_intent", step_id)
+        bump_fenced(lease)  # a worker whose lease is stale writes nothing
+        now = timezone.now()
+        if entry is None:
+            entry = new_entry(lease, step_id, call_index, tool.name, tool.wal_args(args), key, tool.is_idempotent(args))
+        fault_point("after_intent", step_id)  # a crash here rolls the intent back with the effect
+        try:
+            result = tool.perform(args, key=key, token=token)  # its writes join this transaction
+        except Cancelled:
+            raise  # rolled back: nothing happened, not even the intent
+        except Exception as exc:  # rolled back too: the effect did not happen; the step retries
+            raise EffectFailed(entry.pk, exc) from exc
+        WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.DONE, result=result, completed_at=now, error="")
+    fault_point("after_effect", step_id)
+    completed.append(CompletedEffect(entry.pk, key, tool.name, result, committed=True))
+    return result
+
+
+def new_entry(lease: Lease, step_id: str, call_index: int, tool_name: str, args: dict, key: str,
+              idempotent: bool) -> WalEntry:
+    """The intent row (the caller's transaction is fenced on the lease)."""
+    return WalEntry.objects.create(task_id=lease.task_id, step_id=step_id, call_index=call_index, tool=tool_name,
+                                   args=args, idempotency_key=key, idempotent=idempotent, lease_epoch=lease.epoch,
+                                   worker=f"{lease.host}:{lease.pid}")
+
+
 def write_intent(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args: dict, key: str,
                  idempotent: bool) -> WalEntry:
+    """Commit an intent on its own (what perform() does before an effect outside this database)."""
     with transaction.atomic():
         bump_fenced(lease)  # a worker whose lease is stale writes no intent
-        entry = WalEntry.objects.create(
-            task_id=lease.task_id, step_id=step_id, call_index=call_index, tool=tool_name, args=args,
-            idempotency_key=key, idempotent=idempotent, lease_epoch=lease.epoch,
-            worker=f"{lease.host}:{lease.pid}")
-    log.debug("wal intent", extra={"task_id": lease.task_id, "step_id": step_id, "wal_entry_id": entry.pk})
-    return entry
+        return new_entry(lease, step_id, call_index, tool_name, args, key, idempotent)
 
 
 def mark_failed(entry_id: int, error: Exception) -> None:
@@ -156,6 +208,7 @@ def mark_unknown(entry_id: int, error: Exception) -> None:
 
 def mark_done(effects: list[CompletedEffect]) -> None:
     """Record completed effects in the current transaction (the step's checkpoint)."""
+    effects = [e for e in effects if not e.committed]
     if not effects:
         return
     now = timezone.now()

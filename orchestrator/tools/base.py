@@ -31,6 +31,9 @@ class Tool:
     name: ClassVar[str]
     description: ClassVar[str] = ""
     idempotent: ClassVar[bool] = False
+    # The effect is writes in the harness's own database: perform() runs inside the WAL's
+    # transaction, so intent, effect and `done` commit together (engine/wal.py).
+    transactional: ClassVar[bool] = False
 
     def is_idempotent(self, args: dict) -> bool:
         """Whether replaying this call cannot duplicate its effect."""

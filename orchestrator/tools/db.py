@@ -1,7 +1,8 @@
 """db.upsert: insert-or-update rows by primary key in one of the harness's tables.
 
-Idempotent: upserting the same rows twice leaves the same table. The idempotency record
-is written in the same transaction as the rows, so recovery can tell it happened.
+Idempotent: upserting the same rows twice leaves the same table. Transactional: the rows,
+the WAL intent, the idempotency record and `done` commit in one transaction, so recovery
+always knows whether it happened.
 """
 import hashlib
 import json
@@ -25,6 +26,7 @@ class DbUpsert(Tool):
     name = "db.upsert"
     description = "Insert or update rows by primary key: {table, columns, rows}."
     idempotent = True
+    transactional = True
 
     def _model(self, table: str):
         try:
@@ -58,7 +60,8 @@ class DbUpsert(Tool):
         columns, pk = args["columns"], model._meta.pk.attname
         objs = [model(**dict(zip(columns, row))) for row in args["rows"]]
         result = {"table": args["table"], "rows": len(objs)}
-        with transaction.atomic():
+        # Inside the WAL's transaction (transactional tool): no savepoint of its own.
+        with transaction.atomic(savepoint=False):
             if objs:
                 model.objects.bulk_create(objs, update_conflicts=True, unique_fields=[pk],
                                           update_fields=[c for c in columns if c != pk], batch_size=500)
