@@ -159,7 +159,7 @@ Q_CLUSTER = {
     "max_attempts": 1,
     "ack_failures": True,
     "catch_up": False,
-    "poll": 0.1,
+    "poll": 0.05,  # the ORM broker: how often an idle cluster looks for work (POST -> first step latency)
     "save_limit": 250,
     "label": "Worker jobs",
 }

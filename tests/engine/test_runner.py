@@ -97,3 +97,28 @@ def test_a_second_claim_of_a_live_lease_is_refused():
     assert leases.claim(task.pk) is not None
     assert leases.claim(task.pk) is None
     assert drive_inline(task.pk) == "not claimed"
+
+
+@pytest.mark.parametrize("watched", [False, True])
+def test_a_run_as_an_isolated_executor_runs_lone_steps_on_its_thread(watched, settings, monkeypatch):
+    """watched=True (an isolated executor): a step that runs alone runs on the runner's
+    thread, a fan-out still runs in the pool; both give the same results."""
+    import threading
+
+    from tests.support.testtypes import Growing
+
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+    threads = {}
+    original = Growing.run_step
+
+    def recording(self, ctx, step_id):
+        threads[step_id] = threading.current_thread().name
+        return original(self, ctx, step_id)
+
+    monkeypatch.setattr(Growing, "run_step", recording)
+    task = services.task_create(type="test.growing", params={"items": 3}, limits={"max_subtasks": 4})
+    assert drive_inline(task.pk, watched=watched) == "completed"
+    runner_thread = threading.current_thread().name
+    assert (threads["discover"] == runner_thread) is watched  # alone: nothing else was ready
+    assert all(threads[f"item-{i}"] != runner_thread for i in range(3))  # three at once: the pool
+    assert Step.objects.get(task=task, step_id="collect").result == 0 + 1 + 2
