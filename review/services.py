@@ -24,6 +24,12 @@ class ReviewClosed(Exception):
     """The item was decided already (HTTP 409)."""
 
 
+def open_for_effect_in_doubt(sender, *, entry: WalEntry, reason: str, dead_worker: str = "",
+                             evidence: dict | None = None, **kwargs) -> ReviewItem:
+    """The receiver of the engine's `effect_in_doubt` signal."""
+    return review_open(entry=entry, reason=reason, dead_worker=dead_worker, evidence=evidence)
+
+
 def review_open(*, entry: WalEntry, reason: str, dead_worker: str = "", evidence: dict | None = None) -> ReviewItem:
     """Open (or return the open) review item for a WAL entry in doubt; in the caller's transaction.
     `evidence`: what the tool itself saw when the outcome became unknown (its phase, its error),

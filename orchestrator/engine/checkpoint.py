@@ -31,7 +31,7 @@ from ..models import (IdempotencyRecord, Snapshot, Step, StepResult, StepStatus,
                       WalEntry)
 from . import snapshots, wal
 from .events import NOTIFY_CHANNEL, create_event, cross_process_layer, publish_hint
-from .faults import _configured as configured_faults, fault_point
+from ..primitives.faults import armed as armed_faults, fault_point
 from .lease import Lease, LeaseLost, lock_fenced
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
     # One statement (and one round trip) unless this commit has more to write: a full
     # snapshot, added steps, a result stored apart, or an armed crash-test fault point.
     simple = (connection.vendor == "postgresql" and not commit.added and not apart
-              and not snapshots.full_due(version) and not configured_faults())
+              and not snapshots.full_due(version) and not armed_faults())
     if simple:
         row = _commit_statement_postgresql(lease, plan, commit, encoded, now, delta=True)
         if row is None:

@@ -15,7 +15,7 @@ from ..tools.http import http_call
 from ..tools.llm import stream_completion
 from ..tools.shell import run_in_group
 from . import wal
-from .cancellation import CancellationToken
+from ..primitives.cancellation import CancellationToken
 from .lease import Lease
 
 

@@ -26,7 +26,7 @@ from .. import telemetry
 from ..conf import harness
 from ..outage import DATABASE_DOWN, OutageWatch
 from ..models import IdempotencyRecord, Task, TaskStatus as S, WalEntry, WalStatus
-from . import scheduler, states
+from . import scheduler, states, wal
 from .events import append_event
 
 log = telemetry.ContextLogger(logging.getLogger(__name__))  # recovery's fields also reach its span
@@ -182,10 +182,8 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict)
     - its key is in the idempotency store: it happened; reuse the recorded result;
     - the tool is idempotent: leave it pending; the step replays it with the same key;
     - otherwise nobody knows whether it happened: open a review item (never guess).
-    Returns the review items opened.
+    Returns the entries put in front of a reviewer.
     """
-    from review.services import review_open
-
     opened = []
     for entry in WalEntry.objects.filter(task=task, status=WalStatus.PENDING).order_by("id"):
         record = IdempotencyRecord.objects.filter(key=entry.idempotency_key).first()
@@ -201,10 +199,11 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict)
         else:
             log.info("recovery: non-idempotent effect in doubt; opening a review item",
                      extra={**log_extra, "resume_strategy": "open_review"})
-            opened.append(review_open(entry=entry, dead_worker=dead_worker or entry.worker, reason=(
+            wal.open_review(entry=entry, dead_worker=dead_worker or entry.worker, reason=(
                 f"Worker {dead_worker or entry.worker} stopped ({cause}) after writing the intent for "
                 f"{entry.tool} at {entry.created_at:%Y-%m-%d %H:%M:%S} UTC and before recording its outcome. "
-                f"{entry.tool} is not idempotent: repeating it could do it twice, skipping it could lose it.")))
+                f"{entry.tool} is not idempotent: repeating it could do it twice, skipping it could lose it."))
+            opened.append(entry)
     return opened
 
 

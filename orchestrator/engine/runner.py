@@ -27,8 +27,8 @@ from ..conf import harness
 from ..outage import DATABASE_DOWN, OutageWatch, retry_while_down
 from ..models import Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
-from . import checkpoint, lease as leases, results, scheduler, states
-from .cancellation import CancellationToken, Cancelled
+from . import checkpoint, lease as leases, results, scheduler, states, wal
+from ..primitives.cancellation import CancellationToken, Cancelled
 from .context import LimitExceeded, StepContext
 from .lease import Lease, LeaseLost
 from .wal import AmbiguousEffect, EffectFailed
@@ -488,12 +488,10 @@ class Runner:
             states.transition(task, S.COMPLETED, reason="all steps done", **released)
             return S.COMPLETED
         if self.ambiguous:
-            from review.services import review_open
-
             keys = ", ".join(a.entry.idempotency_key for a in self.ambiguous)
             for ambiguous in self.ambiguous:
-                review_open(entry=ambiguous.entry, dead_worker=ambiguous.entry.worker, reason=ambiguous.reason,
-                            evidence=ambiguous.evidence)
+                wal.open_review(entry=ambiguous.entry, dead_worker=ambiguous.entry.worker, reason=ambiguous.reason,
+                                evidence=ambiguous.evidence)
             states.transition(task, S.AWAITING_REVIEW, reason=f"side effect in doubt: {keys}", **released)
             return S.AWAITING_REVIEW
         if self.needs_human:

@@ -30,14 +30,16 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
+from django.dispatch import Signal
 from django.utils import timezone
 
 from .. import telemetry
 from ..models import IdempotencyRecord, WalEntry, WalStatus
 from ..tools.base import OutcomeUnknown, ToolError, get_tool
-from .cancellation import Cancelled
-from .faults import fault_point
+from ..primitives.cancellation import Cancelled
+from ..primitives.faults import fault_point
 from .lease import Lease, bump_fenced
 
 log = logging.getLogger(__name__)
@@ -219,9 +221,15 @@ def mark_done(effects: list[CompletedEffect]) -> None:
         [IdempotencyRecord(key=e.key, tool=e.tool, result=e.result) for e in effects], ignore_conflicts=True)
 
 
-def record_idempotency(key: str, tool: str, result: Any) -> None:
-    """For tools whose effect is in this database: record the key in the effect's own
-    transaction, so recovery can tell for certain that it happened. (A replay finds it
-    there already: ignored, no savepoint needed.)"""
-    IdempotencyRecord.objects.bulk_create([IdempotencyRecord(key=key, tool=tool, result=result)],
-                                          ignore_conflicts=True)
+# Sent when a non-idempotent effect is in doubt, in the caller's transaction; the review
+# queue (review/apps.py) opens an item for it. The engine does not import the review queue:
+# the queue is a layer above it.
+effect_in_doubt = Signal()
+
+
+def open_review(*, entry: WalEntry, reason: str, dead_worker: str = "", evidence: dict | None = None) -> None:
+    """Put `entry` in front of a reviewer (a task then waits in awaiting_review)."""
+    if not effect_in_doubt.send(sender=WalEntry, entry=entry, reason=reason, dead_worker=dead_worker,
+                                evidence=evidence):
+        raise ImproperlyConfigured("No review queue is installed ('review' in INSTALLED_APPS): an effect in doubt "
+                                   "cannot wait for a reviewer's decision.")

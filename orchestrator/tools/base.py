@@ -3,7 +3,7 @@ crash left it in doubt). Steps never call tools directly: they go through ctx.ef
 which writes the WAL intent first (orchestrator/engine/wal.py)."""
 from typing import Any, ClassVar
 
-from ..engine.cancellation import CancellationToken
+from ..primitives.cancellation import CancellationToken
 
 
 class ToolError(Exception):

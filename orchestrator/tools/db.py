@@ -10,7 +10,8 @@ import json
 from django.apps import apps
 from django.db import transaction
 
-from ..engine.faults import fault_point_for_key
+from ..primitives.faults import fault_point_for_key
+from ..models import IdempotencyRecord
 from .base import Tool, ToolError, register
 
 # Tables a task may write through this tool (an allow-list: the table name comes from args).
@@ -53,8 +54,6 @@ class DbUpsert(Tool):
                 "rows_sha256": digest}
 
     def perform(self, args: dict, *, key: str, token) -> dict:
-        from ..engine.wal import record_idempotency
-
         token.raise_if_cancelled()
         model = self._model(args["table"])
         columns, pk = args["columns"], model._meta.pk.attname
@@ -66,5 +65,8 @@ class DbUpsert(Tool):
                 model.objects.bulk_create(objs, update_conflicts=True, unique_fields=[pk],
                                           update_fields=[c for c in columns if c != pk], batch_size=500)
             fault_point_for_key("during_effect", key)  # crash tests: rows written, not committed
-            record_idempotency(key, self.name, result)
+            # The key with the rows: recovery can tell for certain that it happened. (A replay
+            # finds it there already: ignored.)
+            IdempotencyRecord.objects.bulk_create([IdempotencyRecord(key=key, tool=self.name, result=result)],
+                                                  ignore_conflicts=True)
         return result

@@ -17,7 +17,7 @@ import ssl
 from django.conf import settings
 from django.core.mail import EmailMessage
 
-from ..engine.faults import fault_point_for_key
+from ..primitives.faults import fault_point_for_key
 from .base import OutcomeUnknown, Tool, ToolError, register
 
 ADDRESS = re.compile(r"^[^@\s]+@[^@\s]+$")

@@ -15,8 +15,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
-from ..engine.cancellation import Cancelled
-from ..engine.faults import fault_point_for_key
+from ..primitives.cancellation import Cancelled
+from ..primitives.faults import fault_point_for_key
 from .base import OutcomeUnknown, Tool, ToolError, register
 
 IDEMPOTENT_METHODS = {"GET", "HEAD", "PUT", "DELETE", "OPTIONS"}

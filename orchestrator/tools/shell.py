@@ -12,7 +12,7 @@ import subprocess
 import threading
 import time
 
-from ..engine.cancellation import Cancelled
+from ..primitives.cancellation import Cancelled
 from .base import OutcomeUnknown, Tool, ToolError, register
 
 OUTPUT_TAIL = 4000

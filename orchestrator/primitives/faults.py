@@ -18,7 +18,8 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def _configured() -> dict[str, str]:
+def armed() -> dict[str, str]:
+    """The fault points ORCH_FAULTS arms, with their actions (empty in production)."""
     spec = os.environ.get("ORCH_FAULTS", "")
     faults = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
@@ -34,7 +35,7 @@ def fault_point_for_key(name: str, idempotency_key: str) -> None:
 
 
 def fault_point(name: str, step_id: str = "") -> None:
-    faults = _configured()
+    faults = armed()
     if not faults:
         return
     point = f"{name}@{step_id}" if f"{name}@{step_id}" in faults else name
