@@ -92,13 +92,15 @@ def _percent(value: float) -> str:
 
 def step_timeline(steps: list[Step], *, recoveries: list[tuple[datetime, str]], now: datetime) -> Timeline:
     """The timeline of `steps` (those never started have no bar); a running step's bar
-    ends at `now`. `recoveries`: (when, label) of each recovery, marked across the lanes."""
+    ends at `now`. `recoveries`: (when, label) of each recovery, marked across the lanes
+    (the span reaches the latest one)."""
     started = [s for s in steps if s.started_at]
     if not started:
         return Timeline(bars=[], markers=[], lanes=0, started_at=None, finished_at=None)
     intervals = [(s.started_at, s.finished_at or max(now, s.started_at)) for s in started]
     begin = min(start for start, _ in intervals)
-    end = max(finish for _, finish in intervals)
+    recoveries = [(when, label) for when, label in recoveries if when >= begin]  # before any step: nothing to mark
+    end = max([finish for _, finish in intervals] + [when for when, _ in recoveries])
     span = max((end - begin).total_seconds(), 1e-6)
     lanes = pack_lanes(intervals)
     bars = []
@@ -111,5 +113,5 @@ def step_timeline(steps: list[Step], *, recoveries: list[tuple[datetime, str]], 
             y=lane * (LANE_HEIGHT + LANE_GAP), started_at=start, finished_at=step.finished_at,
             seconds=round((finish - start).total_seconds(), 2), attempts=step.attempts))
     markers = [TimelineMarker(x=_percent(100 * (at - begin).total_seconds() / span), at=at, label=label)
-               for at, label in recoveries if begin <= at <= end]
+               for at, label in recoveries]
     return Timeline(bars=bars, markers=markers, lanes=max(lanes) + 1, started_at=begin, finished_at=end)
