@@ -7,6 +7,8 @@ Content-Security-Policy forbids inline style attributes, SVG geometry is not sty
 from dataclasses import dataclass
 from datetime import datetime
 
+from django.utils import timezone
+
 from ..models import Step, StepStatus
 
 MIN_BAR_PERCENT = 0.4  # an instant step still shows as a sliver
@@ -31,6 +33,13 @@ class TimelineBar:
     @property
     def retried(self) -> bool:
         return self.attempts > 1
+
+    @property
+    def label(self) -> str:
+        """The bar's tooltip."""
+        title = f" — {self.title}" if self.title else ""
+        retried = f", attempt {self.attempts}" if self.retried else ""
+        return f"{self.step_id}{title}: {self.status}, {self.seconds} s from {clock_time(self.started_at)}{retried}"
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,10 @@ class Timeline:
         if self.started_at is None or self.finished_at is None:
             return 0.0
         return (self.finished_at - self.started_at).total_seconds()
+
+
+def clock_time(value: datetime) -> str:
+    return timezone.localtime(value).strftime("%H:%M:%S")
 
 
 def pack_lanes(intervals: list[tuple[datetime, datetime]]) -> list[int]:
@@ -112,6 +125,6 @@ def step_timeline(steps: list[Step], *, recoveries: list[tuple[datetime, str]], 
             x=_percent(min(offset, 100 - MIN_BAR_PERCENT)), width=_percent(width),
             y=lane * (LANE_HEIGHT + LANE_GAP), started_at=start, finished_at=step.finished_at,
             seconds=round((finish - start).total_seconds(), 2), attempts=step.attempts))
-    markers = [TimelineMarker(x=_percent(100 * (at - begin).total_seconds() / span), at=at, label=label)
-               for at, label in recoveries]
+    markers = [TimelineMarker(x=_percent(100 * (at - begin).total_seconds() / span), at=at,
+                              label=f"{label} at {clock_time(at)}") for at, label in recoveries]
     return Timeline(bars=bars, markers=markers, lanes=max(lanes) + 1, started_at=begin, finished_at=end)

@@ -1,5 +1,6 @@
 """The dashboard in a real Chromium against daphne + real workers: pages follow tasks live
-over the websockets (static/orchestrator/live.js), without reloading.
+over the websockets, without reloading: the server renders each change with the page's own
+templates and static/orchestrator/live.js swaps the fragments in.
 
 Each test loads its page *before* any worker runs, so everything it then sees change can
 only have arrived live; a marker set on `window` after the load proves no reload happened.
@@ -96,8 +97,10 @@ def test_operator_creates_a_task_and_the_page_follows_it_live(stack, new_page, m
     expect(header_badge(page)).to_have_class(re.compile(r"\bstatus-completed\b"))
     progress = page.get_by_test_id("task-header").get_by_test_id("progress")
     expect(progress.locator(".progress-label")).to_have_text("31/31 · 100%")
-    expect(progress.locator(".progress-bar")).to_have_attribute("style", re.compile(r"width: 100%"))
+    expect(progress.locator(".progress-bar")).to_have_attribute("data-percent", "100")  # width: app.css
     expect(page.locator('[data-testid="step-row"][data-status="done"]')).to_have_count(31)
+    # The timeline followed too: a bar per step, all done.
+    expect(page.locator('[data-testid="timeline-bar"][data-status="done"]')).to_have_count(31)
     expect(page.get_by_test_id("step-row")).to_have_count(31)
     expect(page.get_by_test_id("status-reason")).to_have_text("all steps done")
     expect(page.locator('[data-live="steps"]')).to_have_text("31 / 31")
@@ -138,7 +141,7 @@ def test_task_list_rows_follow_tasks_live(stack, new_page, make_user):
     expect(badge).to_have_text("completed", timeout=LIVE)
     expect(badge).to_have_class(re.compile(r"\bstatus-completed\b"))
     expect(row.locator(".progress-label")).to_have_text("11/11 · 100%")
-    expect(row.locator(".progress-bar")).to_have_attribute("style", re.compile(r"width: 100%"))
+    expect(row.locator(".progress-bar")).to_have_attribute("data-percent", "100")
     expect(row.locator(".progress-bar")).to_have_class(re.compile(r"\bstatus-bg-completed\b"))
     expect(row.locator(".reason")).to_have_text("all steps done")
 
