@@ -151,6 +151,35 @@ def test_operator_force_terminates_a_running_task_with_a_reason(stack, new_page,
     assert stage_processes(task.pk) == [], "a stage process outlived the Force-terminate"
 
 
+def test_a_typed_reason_survives_a_live_update_and_the_swapped_in_form_posts(stack, new_page, make_user):
+    """The controls are re-rendered when the task changes; what the operator was typing stays,
+    and the new form (its CSRF token rendered for the websocket) is accepted."""
+    make_user("olga", "operator")
+    task = services.task_create(type="demo.pipeline", params={"stages": 2, "seconds_per_stage": 120})
+    page = new_page("olga")
+    page.goto(f"/tasks/{task.pk}/")
+    expect(page.get_by_test_id("live-indicator")).to_have_text("live")
+    stack.start_workers(1)
+    expect(header_badge(page)).to_have_text("running", timeout=LIVE)
+    in_thread(wait_for, lambda: stage_processes(task.pk), timeout=30, message="the stage subprocess")
+    expect(allowed_actions(page)).to_have_attribute("data-allowed-actions", "stop pause terminate")
+    page.get_by_test_id("terminate-reason").fill("stuck on a stage")
+    rendered_with_the_page = page.get_by_test_id("controls").element_handle()
+
+    in_thread(services.task_pause, task_id=task.pk)  # another operator, elsewhere
+    expect(header_badge(page)).to_have_text("pausing")
+    expect(page.get_by_test_id("btn-pause")).to_be_hidden()
+    assert rendered_with_the_page.evaluate("node => node.isConnected") is False, "the controls were not re-rendered"
+    expect(page.get_by_test_id("terminate-reason")).to_have_value("stuck on a stage")
+
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.get_by_test_id("btn-terminate").click()
+    expect(header_badge(page)).to_have_text("terminated", timeout=30_000)
+    entries = in_thread(audit, task.pk, "task.terminate")
+    assert [(a.actor.username, a.reason) for a in entries if a.actor] == [("olga", "stuck on a stage")]
+    assert stage_processes(task.pk) == [], "a stage process outlived the Force-terminate"
+
+
 def test_resume_stays_visible_on_a_task_that_needs_a_human_after_live_updates(stack, new_page, make_user, settings):
     """The known bug: the server rendered Resume on a needs_human task, and the first live
     `state` hid it. Now live updates are renders of the same template, from engine/actions.py."""
