@@ -242,11 +242,11 @@ class TaskConsumer(RoleRequiredConsumer):
 
 class TaskListConsumer(RoleRequiredConsumer):
     async def start(self):
-        await self.channel_layer.group_add(TASK_LIST_GROUP, self.channel_name)
-        await self.accept()
         self.rows_pending: set[int] = set()
         self.rows_scheduled = False
         self.last_rows_at = 0.0
+        await self.channel_layer.group_add(TASK_LIST_GROUP, self.channel_name)
+        await self.accept()
         tasks = await database_sync_to_async(live.recent_summaries)()
         await self.send_json({"type": "state", "tasks": tasks})
         # The newest rows as they are now: the page may have been rendered a while ago.

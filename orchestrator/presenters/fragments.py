@@ -37,7 +37,7 @@ def task_page_regions(task_id: int, user, csrf_token: str) -> tuple[int, dict[st
     task = Task.objects.filter(pk=task_id).first()
     if task is None:
         return None
-    context = {**task_page_context(task, user), "csrf_token": csrf_token}
+    context = {**task_page_context(task, user, with_events=False), "csrf_token": csrf_token}
     return task.event_seq, {target: render_to_string(template, context).strip()
                             for target, template in TASK_PAGE_REGIONS}
 

@@ -36,15 +36,16 @@ def type_title(task_type: str) -> str:
     return found.title if found else ""
 
 
-def task_page_context(task: Task, user) -> dict:
+def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
     """Everything task_detail.html and its region partials (templates/orchestrator/task/)
-    render; `user` decides the controls (engine/actions.py)."""
+    render; `user` decides the controls (engine/actions.py). Live refreshes skip the event
+    rows (`with_events=False`): each event brings its own row."""
     now = page_clock()
     steps = list(task.steps.all()[:STEP_ROWS_SHOWN])
     wal = list(task.wal_entries.order_by("-id")[:WAL_ROWS_SHOWN])
     for entry in wal:
         entry.args_json = json_text(entry.args)
-    events = with_payload_json(list(task.events.order_by("-seq")[:EVENTS_SHOWN]))
+    events = with_payload_json(list(task.events.order_by("-seq")[:EVENTS_SHOWN])) if with_events else []
     recoveries = [(e.created_at, f"recovery {e.payload.get('attempt', '')}".strip())
                   for e in task.events.filter(kind="recovery").order_by("seq")]
     verdicts = task_actions.available(task, user)
@@ -62,6 +63,7 @@ def task_page_context(task: Task, user) -> dict:
         "wal_total": task.wal_entries.count(),
         "snapshots": snapshot_history(list(task.snapshots.order_by("-version"))),
         "events": events,
+        "events_shown": EVENTS_SHOWN,
         "audit": list(task.audit_entries.select_related("actor").all()[:AUDIT_SHOWN]),
         "can_operate": roles.OPERATOR in roles.user_roles(user) if user is not None else False,
         "actions": verdicts,

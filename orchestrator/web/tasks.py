@@ -16,7 +16,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from .. import selectors
 from ..engine import services, states
 from ..models import Task, TaskStatus
-from ..presenters.task_page import EVENTS_SHOWN, task_page_context, with_type_titles
+from ..presenters.task_page import task_page_context, with_type_titles
 from .access import client_ip, get_task, require_operator, task_types, viewer_required
 from .forms import attach_errors, limit_fields, param_fields, read_form
 
@@ -94,8 +94,7 @@ def task_new(request):
 @viewer_required
 def task_detail(request, task_id: int):
     task = get_task(task_id)
-    return render(request, "orchestrator/task_detail.html",
-                  {**task_page_context(task, request.user), "events_shown": EVENTS_SHOWN})
+    return render(request, "orchestrator/task_detail.html", task_page_context(task, request.user))
 
 
 CONTROL_SERVICES = {

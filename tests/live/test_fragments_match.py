@@ -161,3 +161,43 @@ async def test_a_page_kept_live_by_fragments_equals_a_fresh_page(role, make_user
     assert 'data-retried="yes"' in seen_timeline[-1] and 'data-testid="timeline-recovery"' in seen_timeline[-1]
     controls = page.region("task-controls")
     assert (controls != "") == (role == "operator")
+
+
+async def test_the_list_socket_sends_rows_rendered_like_the_list_page(viewer, settings):
+    settings.ORCH_LIVE_POLL_SECONDS = 0.05
+    task = await database_sync_to_async(services.task_create)(type="demo.pipeline", params={})
+    other = await database_sync_to_async(services.task_create)(type="demo.pipeline", params={})
+
+    def list_page() -> str:
+        client = Client()
+        client.force_login(viewer)
+        return client.get("/").content.decode()
+
+    page = LivePage(await database_sync_to_async(list_page)())
+    ws = await connect("/ws/tasks/", await database_sync_to_async(session_headers)(viewer))
+    await database_sync_to_async(services.task_pause)(task_id=task.pk, reason="for the test")
+    row = f"task-row-{task.pk}"
+    messages = await receive_until(ws, lambda got: any(
+        m["type"] == "fragments" and any(f["target"] == row and 'data-status="paused"' in f["html"]
+                                         for f in m["fragments"]) for m in got))
+    for message in messages:
+        page.apply(message)
+    await ws.disconnect()
+    fresh = LivePage(await database_sync_to_async(list_page)())
+    assert 'data-status="paused"' in page.region(row)
+    for task_id in (task.pk, other.pk):
+        assert page.region(f"task-row-{task_id}") == fresh.region(f"task-row-{task_id}")
+
+
+@pytest.mark.django_db
+def test_only_the_events_the_page_keeps_carry_their_row():
+    from orchestrator import live
+
+    task = services.task_create(type="demo.pipeline", params={})
+    for i in range(4):
+        change(task.pk, "progress", {"message": f"tick {i}"})
+    events = live.events_after(task.pk, 0, rows_for_last=2)
+    assert [e["seq"] for e in events] == [1, 2, 3, 4, 5]
+    assert ["fragments" in e for e in events] == [False, False, False, True, True]
+    assert events[-1]["fragments"][0]["target"] == "event-rows" and 'data-seq="5"' in events[-1]["fragments"][0]["html"]
+    assert all("fragments" in e for e in live.events_after(task.pk, 3, rows_for_last=5))
