@@ -10,6 +10,16 @@ Protocol (JSON):
 Anonymous users and users without a role are refused; origins are checked in asgi.py.
 A message the server cannot use (not JSON, a `resume_from` that is not a seq) is answered
 with `{"type": "error", "message": ...}`; the connection stays open.
+
+For pages, the same messages carry HTML rendered by the templates the first page used
+(orchestrator/presenters/fragments.py): an `event` carries the fragment that adds its row
+(`"fragments": [{"target": "event-rows", "html": ..., "swap": "afterbegin"}]`), and each
+`state` refresh is followed by `{"type": "fragments", "seq": S, "fragments": [...]}` with
+the task page's regions that changed since the last one sent on this connection
+(`"swap": "outerHTML"`, by element id; S is the task's seq when they were rendered, not an
+event: resuming is by event seq only). The list socket sends the changed tasks' rows the
+same way. Pages take their structure from fragments only; `state` and `event` stay for
+programmatic clients.
 """
 import asyncio
 import json
@@ -22,10 +32,11 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from . import live, roles
 from .engine.events import TASK_LIST_GROUP, task_group
 from .outage import DATABASE_DOWN
+from .presenters import fragments
 
 OUTAGE_CLOSE_CODE = 4503  # the database is unreachable: reconnect later
 
-STATE_MIN_INTERVAL = 0.25  # seconds between full state refreshes per connection
+STATE_MIN_INTERVAL = 0.25  # seconds between full state (and fragment) refreshes per connection
 RESUME_WAIT = 0.5  # how long to wait for a `resume_from` message before streaming
 MAX_SEQ = 2**63 - 1  # seqs and ids are signed 64-bit in the database
 
@@ -115,6 +126,9 @@ class TaskConsumer(RoleRequiredConsumer):
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
         self.lock = asyncio.Lock()
+        self.render_lock = asyncio.Lock()  # one refresh at a time: regions are sent in render order
+        self.regions_sent: dict[str, str] = {}
+        self.csrf_token = await database_sync_to_async(live.csrf_token_for)(self.scope)
         self.last_state_at = 0.0
         self.state_pending = False
         query = parse_qs(self.scope.get("query_string", b"").decode())
@@ -172,13 +186,17 @@ class TaskConsumer(RoleRequiredConsumer):
     async def begin_streaming(self):
         self.streaming = True
         await self.flush()
+        # The page may have been rendered a while ago (or before an outage): bring every
+        # region up to date once, even when no event came meanwhile.
+        await self.refresh_state()
 
     async def flush(self):
         """Send every event after the last one sent, from the database, in order."""
         if not self.streaming:
             return
         async with self.lock:
-            events = await database_sync_to_async(live.events_after)(self.task_id, self.last_sent)
+            events = await database_sync_to_async(live.events_after)(self.task_id, self.last_sent,
+                                                                     rows_for_last=live.EVENTS_SHOWN)
             for event in events:
                 await self.send_json(event)
                 self.last_sent = event["seq"]
@@ -196,11 +214,21 @@ class TaskConsumer(RoleRequiredConsumer):
         await self.send_state()
 
     async def send_state(self):
+        """The JSON state, then the page regions that changed, rendered off the event loop."""
         self.state_pending = False
         self.last_state_at = time.monotonic()
-        state = await database_sync_to_async(live.task_state)(self.task_id, self.scope.get("user"))
-        if state is not None:
+        async with self.render_lock:
+            refreshed = await database_sync_to_async(live.task_refresh)(
+                self.task_id, self.scope.get("user"), self.csrf_token)
+            if refreshed is None:
+                return
+            state, (seq, regions) = refreshed
             await self.send_json({"type": "state", **state})
+            changed = [{"target": target, "html": html, "swap": "outerHTML"} for target, html in regions.items()
+                       if html and self.regions_sent.get(target) != html]
+            self.regions_sent.update(regions)
+            if changed:
+                await self.send_json({"type": "fragments", "seq": seq, "fragments": changed})
 
     async def task_changed(self, message):
         if message["seq"] > self.last_sent:
@@ -214,10 +242,33 @@ class TaskConsumer(RoleRequiredConsumer):
 
 class TaskListConsumer(RoleRequiredConsumer):
     async def start(self):
+        self.rows_pending: set[int] = set()
+        self.rows_scheduled = False
+        self.last_rows_at = 0.0
         await self.channel_layer.group_add(TASK_LIST_GROUP, self.channel_name)
         await self.accept()
         tasks = await database_sync_to_async(live.recent_summaries)()
         await self.send_json({"type": "state", "tasks": tasks})
+        # The newest rows as they are now: the page may have been rendered a while ago.
+        self.rows_pending.update(t["id"] for t in tasks)
+        self.schedule_rows()
+
+    def schedule_rows(self):
+        """Send the pending rows, at most every STATE_MIN_INTERVAL seconds."""
+        if self.rows_scheduled or not self.rows_pending:
+            return
+        self.rows_scheduled = True
+        wait = max(0.0, STATE_MIN_INTERVAL - (time.monotonic() - self.last_rows_at))
+        asyncio.get_running_loop().call_later(wait, lambda: asyncio.ensure_future(self.send_rows()))
+
+    async def send_rows(self):
+        self.rows_scheduled = False
+        self.last_rows_at = time.monotonic()
+        task_ids, self.rows_pending = sorted(self.rows_pending), set()
+        rows = await database_sync_to_async(fragments.task_rows)(task_ids)
+        if rows:
+            await self.send_json({"type": "fragments", "fragments": rows})
+        self.schedule_rows()  # rows that changed while these were rendered
 
     async def disconnect(self, code):
         await self.channel_layer.group_discard(TASK_LIST_GROUP, self.channel_name)
@@ -228,3 +279,5 @@ class TaskListConsumer(RoleRequiredConsumer):
                               "steps_total": message["steps_total"],
                               "progress_percent": int(100 * message["steps_done"] / message["steps_total"])
                               if message["steps_total"] else (100 if message["status"] == "completed" else 0)})
+        self.rows_pending.add(message["task_id"])
+        self.schedule_rows()

@@ -17,12 +17,16 @@ from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import close_old_connections, connection
+from django.http import HttpRequest
+from django.middleware.csrf import CsrfViewMiddleware, get_token
 from django.utils import timezone
 
 from .engine import actions
 from .engine.events import NOTIFY_CHANNEL, TASK_LIST_GROUP, task_group
 from .models import Step, Task, TaskEvent, WalEntry
 from .outage import DATABASE_DOWN, OutageWatch
+from .presenters import fragments
+from .presenters.task_page import EVENTS_SHOWN
 
 try:
     from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
@@ -90,8 +94,35 @@ def event_json(event: TaskEvent) -> dict:
             "created_at": iso(event.created_at)}
 
 
-def events_after(task_id: int, seq: int, limit: int = MAX_REPLAY) -> list[dict]:
-    return [event_json(e) for e in TaskEvent.objects.filter(task_id=task_id, seq__gt=seq).order_by("seq")[:limit]]
+def events_after(task_id: int, seq: int, limit: int = MAX_REPLAY, rows_for_last: int = 0) -> list[dict]:
+    """The events after `seq`, in order; the last `rows_for_last` of them carry the
+    fragment that adds their row to the task page (older ones would scroll off it)."""
+    events = list(TaskEvent.objects.filter(task_id=task_id, seq__gt=seq).order_by("seq")[:limit])
+    sent = [event_json(e) for e in events]
+    for index in range(max(0, len(events) - rows_for_last), len(events)):
+        sent[index]["fragments"] = [fragments.event_row(events[index])]
+    return sent
+
+
+def task_refresh(task_id: int, user, csrf_token: str) -> tuple[dict, tuple[int, dict[str, str]]] | None:
+    """A task page's periodic refresh: the JSON `state` and the rendered regions."""
+    state = task_state(task_id, user)
+    regions = fragments.task_page_regions(task_id, user, csrf_token)
+    if state is None or regions is None:
+        return None
+    return state, regions
+
+
+def csrf_token_for(scope) -> str:
+    """A CSRF token for the forms in rendered fragments, from the CSRF cookie the page's
+    own response set (a websocket handshake carries the page's cookies): forms swapped in
+    live post like the ones rendered with the page."""
+    request = HttpRequest()
+    request.COOKIES = dict(scope.get("cookies") or {})
+    if scope.get("session") is not None:
+        request.session = scope["session"]
+    CsrfViewMiddleware(lambda _request: None).process_request(request)
+    return get_token(request)
 
 
 def recent_summaries(limit: int = 50, before: int | None = None) -> list[dict]:

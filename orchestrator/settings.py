@@ -129,6 +129,15 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
             if _file.exists() and _file.stat().st_uid == os.getuid() and _file.stat().st_mode & 0o077:
                 _file.chmod(0o600)
 DATABASES = {"default": _db}
+
+# Rendered table rows (step and WAL rows, keyed by every value they show): live updates
+# re-render a task page's regions several times a second, and most rows have not changed.
+# Per process, like the rows' templates; the default cache stays as it was.
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    "rendered_rows": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "rendered-rows",
+                      "TIMEOUT": 600, "OPTIONS": {"MAX_ENTRIES": 20_000}},
+}
 IS_SQLITE = _db["ENGINE"] == "django.db.backends.sqlite3"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

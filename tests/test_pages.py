@@ -287,6 +287,37 @@ def test_detail_shows_steps_wal_snapshots_events_and_audit(client, viewer, task)
     assert "task.create" in body
 
 
+@pytest.mark.django_db
+def test_detail_draws_a_timeline_bar_per_started_step(client, viewer, task):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    t0 = timezone.now() - timedelta(minutes=5)
+    Step.objects.create(task=task, step_id="prepare", position=0, status="done", attempts=1,
+                        started_at=t0, finished_at=t0 + timedelta(seconds=10))
+    Step.objects.create(task=task, step_id="copy-1", position=1, status="done", attempts=2,
+                        started_at=t0 + timedelta(seconds=10), finished_at=t0 + timedelta(seconds=30))
+    Step.objects.create(task=task, step_id="copy-2", position=2, status="pending",
+                        started_at=t0 + timedelta(seconds=12))  # started, not finished: running
+    Step.objects.create(task=task, step_id="summary", position=3, status="pending")  # not started: no bar
+    client.force_login(viewer)
+    body = client.get(detail_url(task.pk)).content.decode()
+    timeline = body.split('id="task-timeline"', 1)[1].split("</section>", 1)[0]
+    assert timeline.count('data-testid="timeline-bar"') == 3
+    assert 'data-step-id="summary"' not in timeline
+    assert 'data-step-id="copy-2" data-status="running" data-lane="1"' in timeline  # beside copy-1
+    assert 'data-step-id="copy-1" data-status="done" data-lane="0" data-attempts="2" data-retried="yes"' in timeline
+    assert 'x="0.000%"' in timeline  # geometry as SVG attributes, not inline style
+
+
+@pytest.mark.django_db
+def test_a_task_that_has_not_started_says_so_instead_of_a_timeline(client, viewer, task):
+    client.force_login(viewer)
+    body = client.get(detail_url(task.pk)).content.decode()
+    assert 'data-testid="timeline-empty"' in body and 'data-testid="timeline-bar"' not in body
+
+
 # --- the admin ----------------------------------------------------------------------------
 
 @pytest.mark.django_db

@@ -76,9 +76,13 @@ def claim(task_id: int) -> Lease | None:
     return Lease(task_id=task_id, epoch=task.lease_epoch, owner=owner, host=host, pid=pid)
 
 
-def heartbeat(lease: Lease) -> bool:
-    """Refresh the heartbeat; False when the lease is no longer ours."""
-    return lease.fenced().update(heartbeat_at=timezone.now()) == 1
+def heartbeat(lease: Lease, activities: list[dict] | None = None) -> bool:
+    """Refresh the heartbeat (and, when given, what is running now: the task page shows
+    those steps as running without a commit per step); False when the lease is no longer ours."""
+    fields = {"heartbeat_at": timezone.now()}
+    if activities is not None:
+        fields["activities"] = activities
+    return lease.fenced().update(**fields) == 1
 
 
 def lock_fenced(lease: Lease) -> Task:

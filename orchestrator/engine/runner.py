@@ -83,6 +83,7 @@ class Supervisor(threading.Thread):
         self.runner = runner
         self._stopped = threading.Event()
         self.published_activities = -1
+        self.beat_activities = -1
 
     def run(self) -> None:
         lease = self.runner.lease
@@ -103,7 +104,7 @@ class Supervisor(threading.Thread):
                     if self.runner.control:
                         self.publish_activities()
                     if time.monotonic() >= next_beat:
-                        if not leases.heartbeat(lease):
+                        if not leases.heartbeat(lease, self.activities_changed()):
                             self.runner.lose_lease()
                             return
                         next_beat = time.monotonic() + harness.heartbeat_seconds
@@ -118,6 +119,14 @@ class Supervisor(threading.Thread):
                     database.succeeded(task_id=lease.task_id)
         finally:
             connection.close()
+
+    def activities_changed(self) -> list[dict] | None:
+        """What runs now, if it changed since the last heartbeat (None: unchanged)."""
+        version = self.runner.token.activities_version
+        if version == self.beat_activities:
+            return None
+        self.beat_activities = version
+        return self.runner.token.activities()
 
     def publish_activities(self) -> None:
         """While a request winds down: what still runs, durable and in the event log (so

@@ -15,9 +15,6 @@ The state of a version (what `materialize` returns and the API shows):
     {"params", "limits", "status", "steps": {step_id: status}, "counters": {...},
      "generations": {step_id: n} (only steps re-run after an edit), "added_by": {step_id: adder}}
 """
-import copy
-from collections.abc import Iterable
-
 from ..conf import harness
 from ..models import Snapshot, Task
 
@@ -55,10 +52,23 @@ def materialize_range(task_id: int, first: int, last: int) -> dict[int, dict]:
             .order_by("version").values_list("version", "full", "state"))
     states, state = {}, None
     for version, full, row_state in rows:
-        state = copy.deepcopy(row_state) if full or state is None else apply_delta(state, row_state)
+        # Rows are freshly decoded: a full one can be used as it is; the running state is
+        # copied (its step map) before a delta changes it, so earlier versions keep theirs.
+        if full or state is None:
+            state = row_state
+        else:
+            state = apply_delta(_copy(state), row_state)
         if version >= first:
-            states[version] = copy.deepcopy(state)
+            states[version] = state
     return states
+
+
+def _copy(state: dict) -> dict:
+    copied = dict(state)
+    copied["steps"] = dict(state.get("steps") or {})
+    if "added_by" in state:
+        copied["added_by"] = dict(state["added_by"])
+    return copied
 
 
 def kept_versions(task_id: int) -> list[int]:
@@ -128,11 +138,3 @@ def history(task_id: int, limit: int) -> list[tuple[Snapshot, dict]]:
     states = materialize_range(task_id, versions[0], versions[-1])
     rows = {s.version: s for s in Snapshot.objects.filter(task_id=task_id, version__in=versions)}
     return [(rows[v], states[v]) for v in reversed(versions) if v in states and v in rows]
-
-
-def step_statuses(state: dict) -> dict[str, str]:
-    return state.get("steps") or {}
-
-
-def versions_of(snapshots: Iterable[Snapshot]) -> list[int]:
-    return sorted(s.version for s in snapshots)

@@ -3,6 +3,7 @@ reading and checking a posted form, putting errors next to their fields, prefill
 import json
 
 from ..engine import services
+from ..presenters.task_page import json_text  # noqa: F401 - the pages render JSON as the task page does
 
 LIMIT_FIELDS = [
     ("max_steps", "Max steps", "integer", "Pause after this many steps"),
@@ -206,5 +207,3 @@ def read_form(type_name: str, fields: list[dict], limits: list[dict], data) -> t
     return params, limit_values, errors
 
 
-def json_text(value, indent=None) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=False, sort_keys=indent is not None, default=str)

@@ -10,21 +10,15 @@ from django.contrib import messages
 from django.http import Http404, HttpResponseBadRequest
 from django.shortcuts import redirect, render
 from django.urls import reverse
-from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from .. import selectors
-from ..engine import actions as task_actions, services, snapshots, states
+from ..engine import services, states
 from ..models import Task, TaskStatus
+from ..presenters.task_page import task_page_context, with_type_titles
 from .access import client_ip, get_task, require_operator, task_types, viewer_required
-from .forms import attach_errors, json_text, limit_fields, param_fields, read_form
-from .snapshots import snapshot_history
-
-STEP_ROWS_SHOWN = 2000
-WAL_ROWS_SHOWN = 500
-EVENTS_SHOWN = 200
-SNAPSHOTS_SHOWN = 50  # the newest kept versions (a long run keeps up to ORCH_SNAPSHOT_FULL_EVERY more)
+from .forms import attach_errors, limit_fields, param_fields, read_form
 
 
 @require_GET
@@ -41,10 +35,8 @@ def task_list(request):
     tasks, next_before = selectors.task_page(qs, before=before)
 
     filters = {k: v for k, v in (("status", status), ("type", type_name), ("q", text)) if v}
-    types = task_types()
-    type_names = sorted(set(types) | ({type_name} if type_name else set()))
-    for task in tasks:
-        task.type_title = types[task.type].title if task.type in types else ""
+    type_names = sorted(set(task_types()) | ({type_name} if type_name else set()))
+    with_type_titles(tasks)
     return render(request, "orchestrator/task_list.html", {
         "tasks": tasks,
         "next_before": next_before,
@@ -102,42 +94,7 @@ def task_new(request):
 @viewer_required
 def task_detail(request, task_id: int):
     task = get_task(task_id)
-    now = timezone.now()
-    steps_total = task.steps.count()
-    steps = list(task.steps.all()[:STEP_ROWS_SHOWN])
-    wal_total = task.wal_entries.count()
-    wal = list(task.wal_entries.order_by("-id")[:WAL_ROWS_SHOWN])
-    events = list(task.events.order_by("-seq")[:EVENTS_SHOWN])
-    for event in events:
-        event.payload_json = json_text(event.payload)
-    for entry in wal:
-        entry.args_json = json_text(entry.args)
-    audit = list(task.audit_entries.select_related("actor").all()[:500])
-    actions = task_actions.available(task, request.user)
-    skippable = task_actions.skippable_steps(task) if actions["skip_step"].allowed else []
-    heartbeat_age = (now - task.heartbeat_at).total_seconds() if task.heartbeat_at else None
-    try:
-        type_title = task_types()[task.type].title
-    except KeyError:
-        type_title = ""
-    return render(request, "orchestrator/task_detail.html", {
-        "task": task,
-        "type_title": type_title,
-        "params_json": json_text(task.params, indent=2),
-        "limits": sorted(task.limits.items()) if isinstance(task.limits, dict) else [],
-        "heartbeat_age": heartbeat_age,
-        "steps": steps,
-        "steps_total": steps_total,
-        "wal": wal,
-        "wal_total": wal_total,
-        "snapshots": snapshot_history(snapshots.history(task.pk, SNAPSHOTS_SHOWN)),
-        "events": events,
-        "audit": audit,
-        "actions": actions,
-        "controls_note": task_actions.controls_note(task, actions),
-        "skippable_steps": skippable,
-        "is_terminal": task.status in states.TERMINAL,
-    })
+    return render(request, "orchestrator/task_detail.html", task_page_context(task, request.user))
 
 
 CONTROL_SERVICES = {

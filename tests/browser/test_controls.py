@@ -1,9 +1,9 @@
 """The task page's controls in a real Chromium against daphne + real workers: Stop, Pause
 and Resume, Force-terminate, Resume on a task that needs a human, and a viewer's page.
 
-The controls are rendered by the server from orchestrator/engine/actions.py and shown or
-hidden by live.js from the `actions` of each live `state` (the controls box's
-`data-live-actions` says what the last one allowed). Once the browser runs, database calls
+The controls are rendered by the server from orchestrator/engine/actions.py, for the first
+page and for every live update (a fragment of the same template, swapped in by live.js);
+the controls box's `data-allowed-actions` says what the last render allowed. Once the browser runs, database calls
 go through `in_thread` (see test_dashboard.py).
 """
 import re
@@ -51,8 +51,8 @@ def visible_controls(page) -> set[str]:
         "nodes => nodes.filter(n => !n.hidden && n.style.display !== 'none').map(n => n.dataset.action)"))
 
 
-def live_actions(page):
-    """What the last live `state` allowed (set by live.js only: absent before the first)."""
+def allowed_actions(page):
+    """The controls box, whose data-allowed-actions lists what its last render allowed."""
     return page.get_by_test_id("controls")
 
 
@@ -71,7 +71,7 @@ def test_operator_stops_a_running_pipeline_and_no_stage_process_is_left(stack, n
     stack.start_workers(1)
     expect(header_badge(page)).to_have_text("running", timeout=LIVE)
     in_thread(wait_for, lambda: stage_processes(task.pk), timeout=30, message="the stage subprocess")
-    expect(live_actions(page)).to_have_attribute("data-live-actions", "stop pause terminate")
+    expect(allowed_actions(page)).to_have_attribute("data-allowed-actions", "stop pause terminate")
     page.get_by_test_id("btn-stop").click()
 
     expect(page.get_by_test_id("message")).to_have_text(
@@ -99,7 +99,7 @@ def test_operator_pauses_then_resumes_a_running_migration_and_it_completes(stack
 
     stack.start_workers(1)
     expect(header_badge(page)).to_have_text("running", timeout=LIVE)
-    expect(live_actions(page)).to_have_attribute("data-live-actions", "stop pause terminate")
+    expect(allowed_actions(page)).to_have_attribute("data-allowed-actions", "stop pause terminate")
     page.get_by_test_id("btn-pause").click()
 
     expect(header_badge(page)).to_have_text("paused", timeout=30_000)
@@ -151,9 +151,38 @@ def test_operator_force_terminates_a_running_task_with_a_reason(stack, new_page,
     assert stage_processes(task.pk) == [], "a stage process outlived the Force-terminate"
 
 
+def test_a_typed_reason_survives_a_live_update_and_the_swapped_in_form_posts(stack, new_page, make_user):
+    """The controls are re-rendered when the task changes; what the operator was typing stays,
+    and the new form (its CSRF token rendered for the websocket) is accepted."""
+    make_user("olga", "operator")
+    task = services.task_create(type="demo.pipeline", params={"stages": 2, "seconds_per_stage": 120})
+    page = new_page("olga")
+    page.goto(f"/tasks/{task.pk}/")
+    expect(page.get_by_test_id("live-indicator")).to_have_text("live")
+    stack.start_workers(1)
+    expect(header_badge(page)).to_have_text("running", timeout=LIVE)
+    in_thread(wait_for, lambda: stage_processes(task.pk), timeout=30, message="the stage subprocess")
+    expect(allowed_actions(page)).to_have_attribute("data-allowed-actions", "stop pause terminate")
+    page.get_by_test_id("terminate-reason").fill("stuck on a stage")
+    rendered_with_the_page = page.get_by_test_id("controls").element_handle()
+
+    in_thread(services.task_pause, task_id=task.pk)  # another operator, elsewhere
+    expect(header_badge(page)).to_have_text("pausing")
+    expect(page.get_by_test_id("btn-pause")).to_be_hidden()
+    assert rendered_with_the_page.evaluate("node => node.isConnected") is False, "the controls were not re-rendered"
+    expect(page.get_by_test_id("terminate-reason")).to_have_value("stuck on a stage")
+
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.get_by_test_id("btn-terminate").click()
+    expect(header_badge(page)).to_have_text("terminated", timeout=30_000)
+    entries = in_thread(audit, task.pk, "task.terminate")
+    assert [(a.actor.username, a.reason) for a in entries if a.actor] == [("olga", "stuck on a stage")]
+    assert stage_processes(task.pk) == [], "a stage process outlived the Force-terminate"
+
+
 def test_resume_stays_visible_on_a_task_that_needs_a_human_after_live_updates(stack, new_page, make_user, settings):
     """The known bug: the server rendered Resume on a needs_human task, and the first live
-    `state` hid it. Now both come from engine/actions.py."""
+    `state` hid it. Now live updates are renders of the same template, from engine/actions.py."""
     settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
     make_user("olga", "operator")
     task = services.task_create(type="test.flaky", params={"mode": "same"})  # fails the same way twice
@@ -164,15 +193,17 @@ def test_resume_stays_visible_on_a_task_that_needs_a_human_after_live_updates(st
 
     stack.start_workers(1, **TEST_TYPES)
     expect(header_badge(page)).to_have_text("needs_human", timeout=LIVE)
-    # Live: Resume appears; Skip step (whose form lists the steps) asks for a reload.
-    expect(live_actions(page)).to_have_attribute("data-live-actions", "stop resume skip_step terminate")
+    # Live: Resume appears, and Skip step with its list of steps (rendered by the server).
+    expect(allowed_actions(page)).to_have_attribute("data-allowed-actions", "stop resume skip_step terminate")
     expect(page.get_by_test_id("btn-resume")).to_be_visible()
-    expect(page.locator('[data-live="controls-note"]')).to_contain_text("reload for its controls")
+    expect(page.get_by_test_id("btn-skip-step")).to_be_visible()
+    expect(page.get_by_test_id("skip-step-id").locator("option")).not_to_have_count(0)
+    expect(page.locator('[data-live="controls-note"]')).to_be_hidden()
 
     # A fresh page: rendered with Resume, and the first `state` keeps it.
     rendered = controls(page.goto(f"/tasks/{task.pk}/").text())[1]
     assert rendered == {"stop", "resume", "skip_step", "terminate"}
-    expect(live_actions(page)).to_have_attribute("data-live-actions", "stop resume skip_step terminate")
+    expect(allowed_actions(page)).to_have_attribute("data-allowed-actions", "stop resume skip_step terminate")
     expect(page.get_by_test_id("btn-resume")).to_be_visible()
     expect(page.get_by_test_id("btn-skip-step")).to_be_visible()
     assert visible_controls(page) == rendered
@@ -186,7 +217,7 @@ def test_resume_stays_visible_on_a_task_that_needs_a_human_after_live_updates(st
                                                          payload__to="needs_human").count() == 2,
               timeout=60, message="the second failure")
     expect(header_badge(page)).to_have_text("needs_human")
-    expect(live_actions(page)).to_have_attribute("data-live-actions", "stop resume skip_step terminate")
+    expect(allowed_actions(page)).to_have_attribute("data-allowed-actions", "stop resume skip_step terminate")
     expect(page.get_by_test_id("btn-resume")).to_be_visible()
 
 

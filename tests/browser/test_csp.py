@@ -54,7 +54,7 @@ def test_the_dashboard_and_the_api_docs_work_under_the_policy(stack, new_page, m
     dialogs = []
     page.once("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
     page.get_by_test_id("btn-terminate").click()
-    expect(page.get_by_test_id("task-header")).to_have_attribute("data-status", "queued")
+    expect(page.get_by_test_id("task-summary")).to_have_attribute("data-status", "queued")
     assert dialogs and dialogs[0].startswith(f"Force-terminate task #{task.pk}?")
 
     page.goto("/api/docs")

@@ -1,5 +1,6 @@
 """The dashboard in a real Chromium against daphne + real workers: pages follow tasks live
-over the websockets (static/orchestrator/live.js), without reloading.
+over the websockets, without reloading: the server renders each change with the page's own
+templates and static/orchestrator/live.js swaps the fragments in.
 
 Each test loads its page *before* any worker runs, so everything it then sees change can
 only have arrived live; a marker set on `window` after the load proves no reload happened.
@@ -24,7 +25,7 @@ from playwright.sync_api import expect  # noqa: E402
 
 from orchestrator.engine import services  # noqa: E402
 from orchestrator.engine.states import InvalidTransition  # noqa: E402
-from orchestrator.models import Task, TaskEvent  # noqa: E402
+from orchestrator.models import Task, TaskEvent, WalEntry  # noqa: E402
 from tests.browser.conftest import ROOT, in_thread  # noqa: E402
 from tests.conftest import wait_for  # noqa: E402
 
@@ -70,7 +71,7 @@ def test_operator_creates_a_task_and_the_page_follows_it_live(stack, new_page, m
     make_user("olga", "operator")
     page = new_page("olga")
     page.goto("/tasks/new/?type=demo.migrate_rows")
-    page.fill('[name="params.rows"]', "3000")
+    page.fill('[name="params.rows"]', "6000")  # 61 steps: long enough to watch
     page.fill('[name="params.batch_size"]', "100")
     page.fill('[name="params.rate"]', "2")
     page.locator("details.limits > summary").click()
@@ -79,7 +80,7 @@ def test_operator_creates_a_task_and_the_page_follows_it_live(stack, new_page, m
     page.wait_for_url(re.compile(r"/tasks/\d+/$"))
     task_id = int(re.search(r"/tasks/(\d+)/$", page.url).group(1))
     task = in_thread(Task.objects.get, pk=task_id)
-    assert task.params == {"rows": 3000, "batch_size": 100, "rate": 2.0} and task.limits["max_subtasks"] == 1
+    assert task.params == {"rows": 6000, "batch_size": 100, "rate": 2.0} and task.limits["max_subtasks"] == 1
 
     # Queued, no steps yet, every control an operator has for a queued task.
     expect(header_badge(page)).to_have_text("queued")
@@ -95,13 +96,17 @@ def test_operator_creates_a_task_and_the_page_follows_it_live(stack, new_page, m
     expect(header_badge(page)).to_have_text("completed", timeout=LIVE)
     expect(header_badge(page)).to_have_class(re.compile(r"\bstatus-completed\b"))
     progress = page.get_by_test_id("task-header").get_by_test_id("progress")
-    expect(progress.locator(".progress-label")).to_have_text("31/31 · 100%")
-    expect(progress.locator(".progress-bar")).to_have_attribute("style", re.compile(r"width: 100%"))
-    expect(page.locator('[data-testid="step-row"][data-status="done"]')).to_have_count(31)
-    expect(page.get_by_test_id("step-row")).to_have_count(31)
+    expect(progress.locator(".progress-label")).to_have_text("61/61 · 100%")
+    expect(progress.locator(".progress-bar")).to_have_attribute("data-percent", "100")  # width: app.css
+    expect(page.locator('[data-testid="step-row"][data-status="done"]')).to_have_count(61)
+    # The timeline followed too: a bar per step, all done.
+    expect(page.locator('[data-testid="timeline-bar"][data-status="done"]')).to_have_count(61)
+    expect(page.get_by_test_id("step-row")).to_have_count(61)
     expect(page.get_by_test_id("status-reason")).to_have_text("all steps done")
-    expect(page.locator('[data-live="steps"]')).to_have_text("31 / 31")
-    expect(page.locator('[data-testid="wal-row"][data-status="done"]')).to_have_count(31)
+    expect(page.locator('[data-live="steps"]')).to_have_text("61 / 61")
+    effects = in_thread(lambda: WalEntry.objects.filter(task_id=task_id, status="done").count())
+    assert effects >= 61  # one per batch, and the source rows seeded in chunks
+    expect(page.locator('[data-testid="wal-row"][data-status="done"]')).to_have_count(effects)
 
     # A finished task has no controls: hidden, with the server's note.
     for button in CONTROL_BUTTONS:
@@ -115,10 +120,11 @@ def test_operator_creates_a_task_and_the_page_follows_it_live(stack, new_page, m
     assert in_thread(TaskEvent.objects.filter(task_id=task_id).count) == last
 
     assert page.evaluate(MARKED) == "still the same page", "the page was reloaded"
-    # It moved step by step while running, not in one jump at the end.
+    # It moved step by step while running (re-rendered at most every STATE_MIN_INTERVAL), not
+    # in one jump at the end.
     seen = page.evaluate("window.__seen")
     progress = [done for status, done, rows in seen if status == "running"]
-    assert len({d for d in progress if 0 < d < 31}) >= 5, f"steps did not progress live while running: {seen}"
+    assert len({d for d in progress if 0 < d < 61}) >= 5, f"steps did not progress live while running: {seen}"
 
 
 def test_task_list_rows_follow_tasks_live(stack, new_page, make_user):
@@ -138,7 +144,7 @@ def test_task_list_rows_follow_tasks_live(stack, new_page, make_user):
     expect(badge).to_have_text("completed", timeout=LIVE)
     expect(badge).to_have_class(re.compile(r"\bstatus-completed\b"))
     expect(row.locator(".progress-label")).to_have_text("11/11 · 100%")
-    expect(row.locator(".progress-bar")).to_have_attribute("style", re.compile(r"width: 100%"))
+    expect(row.locator(".progress-bar")).to_have_attribute("data-percent", "100")
     expect(row.locator(".progress-bar")).to_have_class(re.compile(r"\bstatus-bg-completed\b"))
     expect(row.locator(".reason")).to_have_text("all steps done")
 

@@ -1,0 +1,99 @@
+"""What the task page and the task list show: the context their templates render, for the
+first page (orchestrator/web/tasks.py) and for live updates (orchestrator/live.py) alike."""
+import json
+from datetime import datetime, timezone as dt_timezone
+
+from django.utils import timezone
+
+from .. import roles
+from ..engine import actions as task_actions, snapshots, states
+from ..models import Task
+from ..tasktypes import all_types
+from .snapshots import snapshot_history
+from .timeline import step_timeline
+
+STEP_ROWS_SHOWN = 2000
+WAL_ROWS_SHOWN = 500
+EVENTS_SHOWN = 200
+AUDIT_SHOWN = 500
+SNAPSHOTS_SHOWN = 20  # the newest kept versions (a long run keeps up to ORCH_SNAPSHOT_FULL_EVERY more)
+
+# The page's clock (heartbeat age, a running step's bar): one call per render, so every
+# region of one render agrees; tests replace it to compare renders made at different times.
+page_clock = timezone.now
+
+
+def json_text(value, indent=None) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=False, sort_keys=indent is not None, default=str)
+
+
+def with_payload_json(events):
+    for event in events:
+        event.payload_json = json_text(event.payload)
+    return events
+
+
+def type_title(task_type: str) -> str:
+    found = all_types().get(task_type)
+    return found.title if found else ""
+
+
+def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
+    """Everything task_detail.html and its region partials (templates/orchestrator/task/)
+    render; `user` decides the controls (engine/actions.py). Live refreshes skip the event
+    rows (`with_events=False`): each event brings its own row."""
+    now = page_clock()
+    steps = with_running(task, list(task.steps.all()[:STEP_ROWS_SHOWN]))
+    wal = list(task.wal_entries.order_by("-id")[:WAL_ROWS_SHOWN])
+    for entry in wal:
+        entry.args_json = json_text(entry.args)
+    events = with_payload_json(list(task.events.order_by("-seq")[:EVENTS_SHOWN])) if with_events else []
+    recoveries = [(e.created_at, f"recovery {e.payload.get('attempt', '')}".strip())
+                  for e in task.events.filter(kind="recovery").order_by("seq")]
+    verdicts = task_actions.available(task, user)
+    heartbeat_age = (now - task.heartbeat_at).total_seconds() if task.heartbeat_at else None
+    return {
+        "task": task,
+        "type_title": type_title(task.type),
+        "params_json": json_text(task.params, indent=2),
+        "limits": sorted(task.limits.items()) if isinstance(task.limits, dict) else [],
+        "heartbeat_age": heartbeat_age,
+        "steps": steps,
+        "steps_total": task.steps.count(),
+        "timeline": step_timeline(steps, recoveries=recoveries, now=now),
+        "wal": wal,
+        "wal_total": task.wal_entries.count(),
+        "snapshots": snapshot_history(snapshots.history(task.pk, SNAPSHOTS_SHOWN)),
+        "events": events,
+        "events_shown": EVENTS_SHOWN,
+        "audit": list(task.audit_entries.select_related("actor").all()[:AUDIT_SHOWN]),
+        "can_operate": roles.OPERATOR in roles.user_roles(user) if user is not None else False,
+        "actions": verdicts,
+        "allowed_actions": " ".join(name for name, verdict in verdicts.items() if verdict.allowed),
+        "controls_note": task_actions.controls_note(task, verdicts),
+        "skippable_steps": task_actions.skippable_steps(task) if verdicts["skip_step"].allowed else [],
+        "is_terminal": task.status in states.TERMINAL,
+    }
+
+
+def with_running(task: Task, steps: list) -> list:
+    """Steps the runner reported running at its last heartbeat (task.activities) show as
+    running, from when they started — a hint, not a commit per step."""
+    if task.status not in states.ACTIVE or not task.activities:
+        return steps
+    since = {a.get("label"): a.get("since") for a in task.activities if a.get("kind") == "step"}
+    for step in steps:
+        started = since.get(step.step_id)
+        if started is not None and step.status == "pending":
+            step.status = "running"
+            step.started_at = datetime.fromtimestamp(started, tz=dt_timezone.utc)
+            step.finished_at = None
+    return steps
+
+
+def with_type_titles(tasks: list[Task]) -> list[Task]:
+    """The list page's rows: each task with its type's title (shown when it has none)."""
+    types = all_types()
+    for task in tasks:
+        task.type_title = types[task.type].title if task.type in types else ""
+    return tasks
