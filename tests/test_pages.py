@@ -312,6 +312,33 @@ def test_detail_draws_a_timeline_bar_per_started_step(client, viewer, task):
 
 
 @pytest.mark.django_db
+def test_a_step_the_runner_reports_running_shows_running(client, viewer, task):
+    import time
+
+    Task.objects.filter(pk=task.pk).update(status="running", activities=[
+        {"kind": "step", "label": "copy-1", "since": time.time() - 3, "token": "task/copy-1"}])
+    Step.objects.create(task=task, step_id="copy-1", position=0, status="pending")
+    Step.objects.create(task=task, step_id="copy-2", position=1, status="pending")
+    client.force_login(viewer)
+    body = client.get(detail_url(task.pk)).content.decode()
+    assert 'data-step-id="copy-1" data-status="running"' in body
+    assert 'data-step-id="copy-2" data-status="pending"' in body
+    timeline = body.split('id="task-timeline"', 1)[1].split("</section>", 1)[0]
+    assert timeline.count('data-testid="timeline-bar"') == 1 and 'data-step-id="copy-1" data-status="running"' in timeline
+
+
+@pytest.mark.django_db
+def test_a_step_added_at_run_time_says_who_added_it(client, viewer, task):
+    Step.objects.create(task=task, step_id="discover", position=0, status="done")
+    Step.objects.create(task=task, step_id="item-0", position=1, added_by="discover", result_stored_apart=True,
+                        result_bytes=200_000, status="done")
+    client.force_login(viewer)
+    body = client.get(detail_url(task.pk)).content.decode()
+    row = body.split('data-step-id="item-0"', 1)[1].split("</tr>", 1)[0]
+    assert "added by discover" in row and f"/api/tasks/{task.pk}/steps/item-0/result" in row
+
+
+@pytest.mark.django_db
 def test_a_task_that_has_not_started_says_so_instead_of_a_timeline(client, viewer, task):
     client.force_login(viewer)
     body = client.get(detail_url(task.pk)).content.decode()

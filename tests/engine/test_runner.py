@@ -122,3 +122,24 @@ def test_a_run_as_an_isolated_executor_runs_lone_steps_on_its_thread(watched, se
     assert (threads["discover"] == runner_thread) is watched  # alone: nothing else was ready
     assert all(threads[f"item-{i}"] != runner_thread for i in range(3))  # three at once: the pool
     assert Step.objects.get(task=task, step_id="collect").result == 0 + 1 + 2
+
+
+def test_the_heartbeat_tells_which_steps_run_and_the_end_of_the_run_clears_it(settings):
+    """Running steps reach the task page through the heartbeat (no commit per step)."""
+    import threading
+
+    from tests.conftest import wait_for
+
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+    settings.ORCH_HEARTBEAT_SECONDS = 0.1
+    task = services.task_create(type="test.interruptible", params={"mode": "sleep", "steps": 1, "seconds": 1.5})
+    runner = threading.Thread(target=drive_inline, args=(task.pk,))
+    runner.start()
+    try:
+        wait_for(lambda: any(a["kind"] == "step" and a["label"] == "step-1"
+                             for a in Task.objects.get(pk=task.pk).activities), timeout=10,
+                 message="the heartbeat to report step-1 running")
+    finally:
+        runner.join(timeout=30)
+    task = Task.objects.get(pk=task.pk)
+    assert task.status == "completed" and task.activities == []
