@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from .. import roles
 from ..models import Step, StepStatus, Task, TaskStatus as S
 from . import states
+from ..tasktypes import all_types
 
 # In the order the task page shows them.
 NAMES = ("stop", "pause", "resume", "skip_step", "edit", "rollback", "terminate")
@@ -95,8 +96,6 @@ def _state_reason(task: Task, name: str, *, limits: dict | None) -> str:
     elif name in ("edit", "rollback"):
         if status != S.PAUSED:
             return f"Task #{pk} is {status}; only a paused task can {VERBS[name]}: pause it first."
-        from ..tasktypes import all_types
-
         if task.type not in all_types():
             return f"Task #{pk} has type {task.type!r}, which this server does not know."
     return ""

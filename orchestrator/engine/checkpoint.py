@@ -33,6 +33,7 @@ from . import snapshots, wal
 from .events import NOTIFY_CHANNEL, create_event, cross_process_layer, publish_hint
 from ..primitives.faults import armed as armed_faults, fault_point
 from .lease import Lease, LeaseLost, lock_fenced
+from . import states
 
 log = logging.getLogger(__name__)
 
@@ -470,8 +471,6 @@ def _commit_step_failure(*, lease, plan, step_id, error, retrying, effects, star
 def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
     """Create the task's Step rows on its first run; afterwards load them (the plan is
     part of the durable state, so a recovered task continues the same plan)."""
-    from . import states
-
     with transaction.atomic():
         task = lock_fenced(lease)
         # worker.pid in the API: the process executing the steps (killing it is a crash).

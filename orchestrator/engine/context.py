@@ -17,6 +17,8 @@ from ..tools.shell import run_in_group
 from . import wal
 from ..primitives.cancellation import CancellationToken
 from .lease import Lease
+from .events import append_event
+from .lease import lock_fenced
 
 
 class LimitExceeded(Exception):
@@ -158,9 +160,6 @@ class StepContext:
 
     def progress(self, message: str, **data) -> None:
         """Append a progress event to the task's log (committed at once, shown live)."""
-        from .events import append_event
-        from .lease import lock_fenced
-
         with transaction.atomic():
             task = lock_fenced(self.lease)
             append_event(task, "progress", {"step": self.step_id, "message": message, **data})

@@ -22,6 +22,8 @@ from ..outage import DATABASE_DOWN, OutageWatch
 from ..models import Task, TaskStatus as S
 from . import processes, states
 from .lease import Lease, LeaseLost, lock_fenced
+from .recovery import recover_task
+from .runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +32,6 @@ CONTROL_POLL = 0.1
 
 
 def run_isolated(lease: Lease) -> str:
-    from .runner import Runner
-
     processes.become_subreaper()
     connections.close_all()  # a forked child must not share the parent's sockets
     pid = os.fork()
@@ -143,8 +143,6 @@ class Watchdog:
 
     def hand_back(self) -> str:
         self.kill_all()
-        from .recovery import recover_task
-
         with telemetry.capture_context(self.lease.task_id) as outcome:  # what recovery decided, for this line
             if not self.recover(recover_task, cause="its worker was shut down", count_attempt=False):
                 return "handed back to the sweeper"
@@ -173,8 +171,6 @@ class Watchdog:
         # recovery now rather than waiting for its heartbeat to go stale.
         how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
         log.warning("executor died (%s)", how, extra=self.extra)
-        from .recovery import recover_task
-
         with telemetry.capture_context(self.lease.task_id) as outcome:  # what recovery decided, for this line
             if not self.recover(recover_task, cause=f"executor pid {self.pid} died ({how})"):
                 return "executor died"

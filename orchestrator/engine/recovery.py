@@ -28,6 +28,7 @@ from ..outage import DATABASE_DOWN, OutageWatch
 from ..models import IdempotencyRecord, Task, TaskStatus as S, WalEntry, WalStatus
 from . import scheduler, states, wal
 from .events import append_event
+from ..tasktypes import get_type
 
 log = telemetry.ContextLogger(logging.getLogger(__name__))  # recovery's fields also reach its span
 
@@ -209,8 +210,6 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict)
 
 def resources_problem(task: Task) -> str:
     """The task type's own check of its external resources, before it continues."""
-    from ..tasktypes import get_type
-
     try:
         get_type(task.type).validate_resources(task)
     except Exception as exc:

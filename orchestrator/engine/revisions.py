@@ -27,6 +27,7 @@ from ..tools.base import ToolError, get_tool
 from . import actions, scheduler, snapshots, states
 from .checkpoint import snapshot_now, step_row
 from .events import append_event
+from .services import FieldError, InvalidInput, audit, validate_limits, validate_params
 
 
 class StalePreview(states.InvalidTransition):
@@ -88,15 +89,11 @@ def _confirm_repeats(task: Task, preview: Preview, repeat_effects, *, actor, ip)
     confirmed = set(repeat_effects or ())
     unknown = confirmed - set(preview.must_confirm)
     if unknown:
-        from .services import FieldError, InvalidInput
-
         raise InvalidInput([FieldError("repeat_effects", f"not an effect this operation repeats: "
                                                          f"{', '.join(sorted(unknown))}")])
     missing = [e for e in preview.repeated_effects if not e["idempotent"] and e["idempotency_key"] not in confirmed]
     if missing:
         raise RepeatNotConfirmed(task, missing)
-    from .services import audit
-
     for effect in preview.repeated_effects:
         if not effect["idempotent"]:
             audit(action="effect.repeat_confirmed", actor=actor, ip=ip, task=task,
@@ -109,8 +106,6 @@ def _confirm_repeats(task: Task, preview: Preview, repeat_effects, *, actor, ip)
 def edited_params(task: Task, changes: dict) -> dict:
     """The params an edit asks for, validated: `changes` are merged over the task's current
     params (keys not given keep their values). The API, the pages and the CLI all mean this."""
-    from .services import validate_params
-
     return validate_params(task.type, {**task.params, **(changes or {})})
 
 
@@ -177,16 +172,12 @@ def apply_edit(*, task_id: int, new_params: dict, expected_version: int | None, 
         before = {"params": task.params, "limits": task.limits, "checkpoint_version": task.checkpoint_version}
         task.params = new_params
         if limits:
-            from .services import validate_limits
-
             task.limits = validate_limits({**task.limits, **limits})
         _rewrite_plan(task, new_specs, keep=set(preview.kept))
         append_event(task, "params_edited", {"diff": preview.param_diff, "rerun": preview.rerun[:200],
                                              "removed": preview.removed[:200]})
         states.transition(task, S.QUEUED, reason=f"parameters edited ({', '.join(preview.param_diff)}); resuming",
                           actor=actor, ip=ip, extra={"diff": preview.param_diff})
-        from .services import audit
-
         audit(action="task.edit_params", actor=actor, ip=ip, task=task, before=before,
               after={"params": new_params, "limits": task.limits, "preview": preview.as_dict()})
         scheduler.enqueue(task.pk)
@@ -279,8 +270,6 @@ def apply_rollback(*, task_id: int, version: int, expected_version: int | None,
                                            "effects_after": len(preview.effects_after)})
         states.transition(task, S.QUEUED, reason=f"rolled back to v{version}; resuming", actor=actor, ip=ip,
                           extra={"to_version": version})
-        from .services import audit
-
         audit(action="task.rollback", actor=actor, ip=ip, task=task, before=before,
               after={"to_version": version, "params": task.params, "preview": preview.as_dict()})
         scheduler.enqueue(task.pk)

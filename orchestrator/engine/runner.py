@@ -32,6 +32,7 @@ from ..primitives.cancellation import CancellationToken, Cancelled
 from .context import LimitExceeded, StepContext
 from .lease import Lease, LeaseLost
 from .wal import AmbiguousEffect, EffectFailed
+from .events import append_event
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +135,6 @@ class Supervisor(threading.Thread):
         version = self.runner.token.activities_version
         if version == self.published_activities:
             return
-        from .events import append_event
-
         activities = self.runner.token.activities()
         with transaction.atomic():
             task = leases.lock_fenced(self.runner.lease)
@@ -150,8 +149,6 @@ class Supervisor(threading.Thread):
 
 def acknowledge(lease: Lease, control: str) -> None:
     """Record that the runner saw an operator request (the Stop -> acknowledge latency)."""
-    from .events import append_event
-
     with transaction.atomic():
         task = leases.lock_fenced(lease)
         task.control_acknowledged_at = timezone.now()

@@ -9,10 +9,11 @@ from django.utils import timezone
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..conf import harness
-from ..models import AuditEntry, Task, TaskStatus as S
+from ..models import AuditEntry, Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
 from . import actions, scheduler, states
 from .events import append_event
+from .checkpoint import plan_from, plan_rows, skip_steps
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +152,6 @@ def task_skip_step(*, task_id: int, step_id: str, reason: str, actor=None, ip=No
     """An operator gives up on one step of a task that needs a human: the step (and the
     dependants it takes with it) is skipped with the operator's reason, and the task goes
     on. Returns the skipped step ids."""
-    from ..models import Step, StepStatus
-    from .checkpoint import plan_from, plan_rows, skip_steps
-
     if not (reason or "").strip():
         raise InvalidInput([FieldError("reason", "a reason is required: say why the task can go on without it")])
     with transaction.atomic():

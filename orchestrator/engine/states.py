@@ -7,6 +7,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from ..models import AuditEntry, Task, TaskStatus as S
+from ..notifications import notify_needs_human
+from .events import append_event
 
 TERMINAL = frozenset({S.COMPLETED, S.FAILED, S.STOPPED, S.TERMINATED})
 ACTIVE = frozenset({S.RUNNING, S.PAUSING, S.STOPPING})
@@ -50,8 +52,6 @@ def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | N
 
     The caller holds `select_for_update()` on the row inside `transaction.atomic()`.
     """
-    from .events import append_event  # events import this module's constants
-
     if not transaction.get_connection().in_atomic_block:
         raise RuntimeError("transition() must run inside transaction.atomic()")
     if not can_transition(task.status, to):
@@ -74,8 +74,6 @@ def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | N
     task.save()
     append_event(task, "status", {"from": before, "to": to, "reason": task.status_reason, **(extra or {})})
     if to == S.NEEDS_HUMAN:
-        from ..notifications import notify_needs_human
-
         task_id = task.pk
         transaction.on_commit(lambda: notify_needs_human(task_id))
     AuditEntry.objects.create(

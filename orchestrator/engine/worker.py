@@ -7,6 +7,7 @@ from .. import telemetry
 from ..conf import harness
 from .lease import claim
 from .runner import Runner
+from .executor import run_isolated
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +21,6 @@ def drive_task(task_id: int) -> str:
         # duplicate delivery is harmless.
         return "not claimed"
     if harness.isolate_execution:
-        from .executor import run_isolated
-
         return run_isolated(lease)
     return Runner(lease).run()
 
