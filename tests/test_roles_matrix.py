@@ -53,6 +53,7 @@ API_MATRIX = {
     ("get", "/api/tasks/{task_id}/events"): (READ, None),
     ("get", "/api/tasks/{task_id}/audit"): (READ, None),
     ("get", "/api/tasks/{task_id}/export"): (READ, None),
+    ("get", "/api/tasks/{task_id}/steps/{step_id}/result"): (READ, None),
     ("get", "/api/reviews"): (READ, None),
     ("get", "/api/reviews/{review_id}"): (READ, None),
     ("post", "/api/reviews/{review_id}/decide"): (REVIEW, "review.decide"),
@@ -199,7 +200,10 @@ def test_api_matrix(client, make_user, method, path, identity, auth):
         headers = bearer(user)
     elif auth == "bad-token":
         headers = {"HTTP_AUTHORIZATION": "Bearer orch_not-a-real-token"}
-    url = path.replace("{task_id}", str(task.pk)).replace("{review_id}", str(review.pk) if review else "")
+    if "{step_id}" in path:
+        Step.objects.get_or_create(task=task, step_id="matrix-step", defaults={"position": 99, "result": {"ok": 1}})
+    url = (path.replace("{task_id}", str(task.pk)).replace("{review_id}", str(review.pk) if review else "")
+           .replace("{step_id}", "matrix-step"))
     audit_before, tasks_before = AuditEntry.objects.count(), Task.objects.count()
     review_before = review_state(review)
 

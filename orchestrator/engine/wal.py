@@ -26,21 +26,24 @@ reused, never performed twice. A `pending` entry found on re-execution means an 
 attempt died in doubt: idempotent tools replay it; non-idempotent ones must not guess and
 raise AmbiguousEffect (the task goes to review).
 """
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 from django.core.exceptions import ImproperlyConfigured
-from django.db import transaction
+from django.db import connection, transaction
+from django.db.backends.utils import CursorWrapper
 from django.dispatch import Signal
 from django.utils import timezone
 
 from .. import telemetry
-from ..models import IdempotencyRecord, WalEntry, WalStatus
+from ..models import IdempotencyRecord, Task, WalEntry, WalStatus
 from ..tools.base import OutcomeUnknown, ToolError, get_tool
 from ..primitives.cancellation import Cancelled
 from ..primitives.faults import fault_point
-from .lease import Lease, bump_fenced
+from .lease import Lease, LeaseLost, bump_fenced
 
 log = logging.getLogger(__name__)
 
@@ -157,28 +160,68 @@ def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args
 
 def _perform_in_transaction(*, lease, step_id, call_index, tool, args, key, token, completed) -> Any:
     """A tool whose effect is writes in the harness's own database: its intent, the effect,
-    its idempotency record and its `done` commit together — all or nothing, never in doubt."""
+    its idempotency record and its `done` commit together — all or nothing, never in doubt.
+    The tool's writes run first; then one statement (fenced on the lease) records the entry
+    `done` and the key: a stale lease rolls the effect back with it."""
     with transaction.atomic():
         entry = WalEntry.objects.filter(idempotency_key=key).first()
         found, result = _recorded(entry, key, tool.name, completed)
         if found:
             return result
         fault_point("before_intent", step_id)
-        bump_fenced(lease)  # a worker whose lease is stale writes nothing
-        now = timezone.now()
-        if entry is None:
-            entry = new_entry(lease, step_id, call_index, tool.name, tool.wal_args(args), key, tool.is_idempotent(args))
-        fault_point("after_intent", step_id)  # a crash here rolls the intent back with the effect
         try:
             result = tool.perform(args, key=key, token=token)  # its writes join this transaction
         except Cancelled:
-            raise  # rolled back: nothing happened, not even the intent
+            raise  # rolled back: nothing happened
         except Exception as exc:  # rolled back too: the effect did not happen; the step retries
-            raise EffectFailed(entry.pk, exc) from exc
-        WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.DONE, result=result, completed_at=now, error="")
+            raise EffectFailed(entry.pk if entry else 0, exc) from exc
+        fault_point("after_intent", step_id)  # a crash here rolls the effect back with the record
+        entry_id = _record_done(lease, entry, step_id=step_id, call_index=call_index, tool=tool, args=args, key=key,
+                                result=result)
     fault_point("after_effect", step_id)
-    completed.append(CompletedEffect(entry.pk, key, tool.name, result, committed=True))
+    completed.append(CompletedEffect(entry_id, key, tool.name, result, committed=True))
     return result
+
+
+_RECORD_DONE_POSTGRESQL = """
+WITH t AS (
+    UPDATE {task} SET heartbeat_at = %(now)s
+    WHERE id = %(task_id)s AND lease_epoch = %(epoch)s AND lease_owner = %(owner)s RETURNING id
+), w AS (
+    INSERT INTO {wal} (task_id, step_id, call_index, tool, args, idempotency_key, idempotent, status, result,
+                       error, lease_epoch, worker, created_at, completed_at)
+    SELECT %(task_id)s, %(step_id)s, %(call_index)s, %(tool)s, %(args)s::jsonb, %(key)s, %(idempotent)s, 'done',
+           %(result)s::jsonb, '', %(epoch)s, %(worker)s, %(now)s, %(now)s FROM t
+    RETURNING id
+), i AS (
+    INSERT INTO {idempotency} (key, tool, result, created_at)
+    SELECT %(key)s, %(tool)s, %(result)s::jsonb, %(now)s FROM t ON CONFLICT (key) DO NOTHING
+)
+SELECT id FROM w
+""".format(task=Task._meta.db_table, wal=WalEntry._meta.db_table, idempotency=IdempotencyRecord._meta.db_table)
+
+
+def _record_done(lease: Lease, entry: WalEntry | None, *, step_id, call_index, tool, args, key, result) -> int:
+    """In the effect's transaction: the entry `done` with its result, and the key recorded."""
+    now = timezone.now()
+    if entry is None and connection.vendor == "postgresql":
+        with CursorWrapper(psycopg.Cursor(connection.connection), connection) as cursor:  # prepared after a few runs
+            cursor.execute(_RECORD_DONE_POSTGRESQL, {
+                "now": now, "task_id": lease.task_id, "epoch": lease.epoch, "owner": lease.owner, "step_id": step_id,
+                "call_index": call_index, "tool": tool.name, "args": json.dumps(tool.wal_args(args)), "key": key,
+                "idempotent": tool.is_idempotent(args), "result": json.dumps(result),
+                "worker": f"{lease.host}:{lease.pid}"})
+            row = cursor.fetchone()
+        if row is None:
+            raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale")
+        return row[0]
+    bump_fenced(lease)  # a worker whose lease is stale writes nothing (and its effect rolls back)
+    if entry is None:
+        entry = new_entry(lease, step_id, call_index, tool.name, tool.wal_args(args), key, tool.is_idempotent(args))
+    WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.DONE, result=result, completed_at=now, error="")
+    IdempotencyRecord.objects.bulk_create([IdempotencyRecord(key=key, tool=tool.name, result=result)],
+                                          ignore_conflicts=True)
+    return entry.pk
 
 
 def new_entry(lease: Lease, step_id: str, call_index: int, tool_name: str, args: dict, key: str,

@@ -11,7 +11,6 @@ from django.apps import apps
 from django.db import transaction
 
 from ..primitives.faults import fault_point_for_key
-from ..models import IdempotencyRecord
 from .base import Tool, ToolError, register
 
 # Tables a task may write through this tool (an allow-list: the table name comes from args).
@@ -59,14 +58,11 @@ class DbUpsert(Tool):
         columns, pk = args["columns"], model._meta.pk.attname
         objs = [model(**dict(zip(columns, row))) for row in args["rows"]]
         result = {"table": args["table"], "rows": len(objs)}
-        # Inside the WAL's transaction (transactional tool): no savepoint of its own.
+        # Inside the WAL's transaction (a transactional tool): no savepoint of its own; the
+        # WAL records `done` and the key in the same transaction, after these rows.
         with transaction.atomic(savepoint=False):
             if objs:
                 model.objects.bulk_create(objs, update_conflicts=True, unique_fields=[pk],
                                           update_fields=[c for c in columns if c != pk], batch_size=500)
             fault_point_for_key("during_effect", key)  # crash tests: rows written, not committed
-            # The key with the rows: recovery can tell for certain that it happened. (A replay
-            # finds it there already: ignored.)
-            IdempotencyRecord.objects.bulk_create([IdempotencyRecord(key=key, tool=self.name, result=result)],
-                                                  ignore_conflicts=True)
         return result
