@@ -72,6 +72,16 @@ TABLE: tuple[Setting, ...] = (
             "PostgreSQL: wait for the disk flush when committing a step that had no side effect "
             "(off: such a step is recomputed if the database server itself crashes)"),
     Setting("ORCH_FAULTS", str, "", "fault injection for the crash tests (engine/faults.py); unset in production"),
+    # --- events sent into tasks (the inbox, engine/inbox.py)
+    Setting("ORCH_INBOX_SHED_P4_AT", int, 100, "pending events of a task past which new P4 events are refused (429)"),
+    Setting("ORCH_INBOX_SHED_P3_AT", int, 250, "pending events of a task past which new P3 events are refused too"),
+    Setting("ORCH_INBOX_SHED_P2_AT", int, 500, "pending events of a task past which new P2 events are refused too"),
+    Setting("ORCH_INBOX_PAUSE_AT", int, 5000, "pending events at which a task pauses and its operators are told"),
+    Setting("ORCH_INBOX_SHED_ALL_AT", int, 50_000,
+            "pending P3/P4 events across the installation past which new ones are refused"),
+    Setting("ORCH_INBOX_MERGE_SECONDS", float, 1.5, "a mergeable event supersedes its group's pending ones this recent"),
+    Setting("ORCH_INBOX_MERGE_CAP_SECONDS", float, 4.5, "a burst of mergeable events is delivered at most this late"),
+    Setting("ORCH_INBOX_P4_TTL_SECONDS", float, 600.0, "a P4 event not consumed within this long expires"),
     # --- limits every task gets unless its creator overrides them
     Setting("ORCH_DEFAULT_MAX_STEPS", int, 100_000, "default max_steps of a task"),
     Setting("ORCH_DEFAULT_MAX_TOKENS", int, 10_000_000, "default max_tokens of a task"),
@@ -140,6 +150,12 @@ class HarnessSettings:
     @property
     def pure_step_sync_commit(self) -> bool:
         return settings.ORCH_PURE_STEP_SYNC_COMMIT
+
+    @property
+    def inbox(self) -> dict:
+        return {name: getattr(settings, f"ORCH_INBOX_{name.upper()}") for name in (
+            "shed_p4_at", "shed_p3_at", "shed_p2_at", "pause_at", "shed_all_at", "merge_seconds",
+            "merge_cap_seconds", "p4_ttl_seconds")}
 
     @property
     def max_recovery_attempts(self) -> int:

@@ -22,6 +22,7 @@ same way. Pages take their structure from fragments only; `state` and `event` st
 programmatic clients.
 """
 import asyncio
+import logging
 import json
 import time
 from urllib.parse import parse_qs
@@ -34,7 +35,10 @@ from .engine.events import TASK_LIST_GROUP, task_group
 from .outage import DATABASE_DOWN
 from .presenters import fragments
 
+log = logging.getLogger(__name__)
+
 OUTAGE_CLOSE_CODE = 4503  # the database is unreachable: reconnect later
+CHANNEL_LAYER_CLOSE_CODE = 1011  # the channel layer failed: reconnect
 
 STATE_MIN_INTERVAL = 0.25  # seconds between full state (and fragment) refreshes per connection
 RESUME_WAIT = 0.5  # how long to wait for a `resume_from` message before streaming
@@ -59,6 +63,19 @@ def parse_seq(value) -> int:
 
 
 class RoleRequiredConsumer(AsyncJsonWebsocketConsumer):
+    async def __call__(self, scope, receive, send):
+        # The channel layer (Redis) went away under this socket: close it (the page
+        # reconnects with its last seq and catches up from the database) instead of
+        # failing inside the application.
+        try:
+            await super().__call__(scope, receive, send)
+        except live.CHANNEL_LAYER_DOWN as exc:
+            log.warning("channel layer unreachable: websocket closed, the page will reconnect (%s)", exc)
+            try:
+                await send({"type": "websocket.close", "code": CHANNEL_LAYER_CLOSE_CODE})
+            except Exception:  # the socket may be gone already
+                pass
+
     async def connect(self):
         try:
             user = self.scope.get("user")
@@ -195,8 +212,11 @@ class TaskConsumer(RoleRequiredConsumer):
         if not self.streaming:
             return
         async with self.lock:
-            events = await database_sync_to_async(live.events_after)(self.task_id, self.last_sent,
-                                                                     rows_for_last=live.EVENTS_SHOWN)
+            try:
+                events = await database_sync_to_async(live.events_after)(self.task_id, self.last_sent,
+                                                                         rows_for_last=live.EVENTS_SHOWN)
+            except DATABASE_DOWN:
+                return  # the banner says so; caught_up() sends what was missed once it is back
             for event in events:
                 await self.send_json(event)
                 self.last_sent = event["seq"]
@@ -218,8 +238,11 @@ class TaskConsumer(RoleRequiredConsumer):
         self.state_pending = False
         self.last_state_at = time.monotonic()
         async with self.render_lock:
-            refreshed = await database_sync_to_async(live.task_refresh)(
-                self.task_id, self.scope.get("user"), self.csrf_token)
+            try:
+                refreshed = await database_sync_to_async(live.task_refresh)(
+                    self.task_id, self.scope.get("user"), self.csrf_token)
+            except DATABASE_DOWN:
+                return  # caught_up() refreshes once the database is back
             if refreshed is None:
                 return
             state, (seq, regions) = refreshed
@@ -265,10 +288,17 @@ class TaskListConsumer(RoleRequiredConsumer):
         self.rows_scheduled = False
         self.last_rows_at = time.monotonic()
         task_ids, self.rows_pending = sorted(self.rows_pending), set()
-        rows = await database_sync_to_async(fragments.task_rows)(task_ids)
+        try:
+            rows = await database_sync_to_async(fragments.task_rows)(task_ids)
+        except DATABASE_DOWN:
+            self.rows_pending.update(task_ids)  # sent by caught_up() once the database is back
+            return
         if rows:
             await self.send_json({"type": "fragments", "fragments": rows})
         self.schedule_rows()  # rows that changed while these were rendered
+
+    async def caught_up(self):
+        self.schedule_rows()
 
     async def disconnect(self, code):
         await self.channel_layer.group_discard(TASK_LIST_GROUP, self.channel_name)

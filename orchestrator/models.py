@@ -58,6 +58,10 @@ class Task(models.Model):
     # While a Stop/Pause/Terminate winds down: what is still running (steps, subtasks,
     # subprocesses, requests, streams) and since when. Empty when nothing is.
     activities = models.JSONField(default=list, blank=True)
+    # The inbox (InboundEvent): the last inbound seq given out, and how many events wait
+    # to be consumed (the runner's supervisor polls it with the control column).
+    inbox_seq = models.PositiveBigIntegerField(default=0)
+    inbox_pending = models.PositiveIntegerField(default=0)
 
     # When the task was last handed to the broker; the sweeper re-enqueues a queued task
     # nobody claimed for ORCH_REQUEUE_AFTER_SECONDS (a lost broker message strands nothing).
@@ -245,6 +249,55 @@ class TaskEvent(models.Model):
 
     def __str__(self):
         return f"task {self.task_id} #{self.seq} {self.kind}"
+
+
+class InboundState(models.TextChoices):
+    PENDING = "pending"      # waiting for the task to consume it at a resume point
+    MERGED = "merged"        # superseded by a newer event of its merge group (superseded_by)
+    CONSUMED = "consumed"    # the task applied it (outcome says how), exactly once
+    REJECTED = "rejected"    # the task could not apply it (outcome says why)
+    SHED = "shed"            # refused by backpressure (429); kept to be counted and listed
+    EXPIRED = "expired"      # not consumed within its time to live
+
+
+class InboundEvent(models.Model):
+    """An event sent into a task (its inbox) — distinct from TaskEvent, the progress log,
+    which is what the task tells the world. Senders only enqueue; the runner consumes at
+    resume points, in the same transaction as the checkpoint it affects."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="inbox")
+    seq = models.PositiveBigIntegerField()  # per task, from Task.inbox_seq
+    type = models.CharField(max_length=100)
+    priority = models.PositiveSmallIntegerField()  # 0 (interrupt) .. 4 (information)
+    source = models.CharField(max_length=120)  # operator, user, system, internal, webhook:<name>
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                              related_name="+")
+    actor_name = models.CharField(max_length=150, blank=True)
+    source_event_id = models.CharField(max_length=200, blank=True)
+    payload = models.JSONField(default=dict)
+    payload_sha256 = models.CharField(max_length=64)
+    merge_key = models.CharField(max_length=200, blank=True)
+    state = models.CharField(max_length=20, choices=InboundState.choices, default=InboundState.PENDING)
+    outcome = models.TextField(blank=True)
+    superseded_by = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    occurred_at = models.DateTimeField(null=True, blank=True)
+    visible_at = models.DateTimeField()  # a mergeable event waits out its burst
+    consumed_at = models.DateTimeField(null=True, blank=True)
+    consumed_in_version = models.PositiveIntegerField(null=True, blank=True)  # the checkpoint that applied it
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["task", "seq"]
+        constraints = [
+            models.UniqueConstraint(fields=["task", "seq"], name="inbound_unique_seq"),
+            # Dedupe: one event per (task, source, source_event_id), kept for the task's life.
+            models.UniqueConstraint(fields=["task", "source", "source_event_id"], name="inbound_dedupe",
+                                    condition=~models.Q(source_event_id="") & ~models.Q(state="shed")),
+        ]
+        indexes = [models.Index(fields=["task", "state", "priority", "seq"], name="inbound_pending")]
+
+    def __str__(self):
+        return f"task {self.task_id} inbox #{self.seq} {self.type} P{self.priority} ({self.state})"
 
 
 class IdempotencyRecord(models.Model):

@@ -6,7 +6,7 @@ says who is calling, schemas.py and presenters.py what goes in and out, errors.p
 every failure is answered."""
 from ninja import NinjaAPI
 
-from . import control, errors, history, reviews, tasks, types
+from . import control, errors, history, inbox, reviews, tasks, types
 from .auth import BearerAuth, LoggedInSession
 
 
@@ -21,5 +21,5 @@ class OrchestratorAPI(NinjaAPI):
 api = OrchestratorAPI(title="Orchestrator API", version="1", auth=[BearerAuth(), LoggedInSession()],
                       urls_namespace="api")
 errors.install(api)
-for module in (reviews, types, tasks, control, history):
+for module in (reviews, types, tasks, control, history, inbox):
     api.add_router("", module.router)

@@ -5,7 +5,7 @@ from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError, ValidationError as NinjaValidationError
 
-from ..engine import services
+from ..engine import inbox, services
 from ..engine.states import InvalidTransition
 from review import services as review_services
 
@@ -87,6 +87,16 @@ def install(api: NinjaAPI) -> None:
     @api.exception_handler(NotFound)
     def on_not_found(request, exc: NotFound):
         return api.create_response(request, {"detail": str(exc), "errors": []}, status=404)
+
+    @api.exception_handler(inbox.InboxRefused)
+    def on_inbox_refused(request, exc: inbox.InboxRefused):
+        body = {"detail": str(exc), "errors": [{"field": exc.field, "message": str(exc)}] if exc.field else []}
+        if exc.pending is not None:
+            body["pending"] = exc.pending
+        response = api.create_response(request, body, status=exc.status)
+        if exc.retry_after is not None:
+            response["Retry-After"] = str(exc.retry_after)
+        return response
 
     @api.exception_handler(review_services.ReviewClosed)
     def on_review_closed(request, exc):

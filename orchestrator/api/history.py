@@ -3,15 +3,15 @@ everything at once as one JSON document (export)."""
 import json
 
 from django.core.serializers.json import DjangoJSONEncoder
-from ninja import Query, Router
+from ninja import Router
 
 from .. import roles, selectors
 from ..engine import snapshots
-from ..models import AuditEntry, TaskEvent, WalEntry
+from ..models import AuditEntry, WalEntry
 from .auth import require
-from .common import FOUND, MAX_ID, get_task, id_param, responses
+from .common import FOUND, get_task, id_param, responses
 from .presenters import audit_out
-from .schemas import AuditOut, EventOut, SnapshotOut, WalOut
+from .schemas import AuditOut, SnapshotOut, WalOut
 
 router = Router(tags=["history"])
 SNAPSHOTS_RETURNED = 50
@@ -31,15 +31,6 @@ def task_snapshots(request, task_id: int = id_param("a task id")):
     task = get_task(task_id)
     return [{"version": snap.version, "step_id": snap.step_id, "state": state, "created_at": snap.created_at}
             for snap, state in snapshots.history(task.pk, SNAPSHOTS_RETURNED)]
-
-
-@router.get("/tasks/{task_id}/events", response=responses({200: list[EventOut]}, FOUND))
-def task_events(request, task_id: int = id_param("a task id"), after: int = Query(0, ge=0, le=MAX_ID),
-                limit: int = Query(500, ge=1, le=MAX_ID, description="at most 5000 are returned")):
-    """Events with seq > `after`, oldest first (resume from the last seq you saw)."""
-    require(request, roles.VIEWER)
-    task = get_task(task_id)
-    return list(TaskEvent.objects.filter(task=task, seq__gt=after).order_by("seq")[:max(1, min(limit, 5000))])
 
 
 @router.get("/tasks/{task_id}/audit", response=responses({200: list[AuditOut]}, FOUND))

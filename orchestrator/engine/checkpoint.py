@@ -27,13 +27,13 @@ from django.utils import timezone
 from .. import telemetry
 from ..conf import harness
 from ..outage import retry_while_down
-from ..models import (IdempotencyRecord, Snapshot, Step, StepResult, StepStatus, Task, TaskEvent, TaskStatus,
-                      WalEntry)
-from . import snapshots, wal
+from ..models import (IdempotencyRecord, InboundEvent, Snapshot, Step, StepResult, StepStatus, Task, TaskEvent,
+                      TaskStatus, WalEntry)
+from . import snapshots, states, wal
 from .events import NOTIFY_CHANNEL, create_event, cross_process_layer, publish_hint
 from ..primitives.faults import armed as armed_faults, fault_point
+from .inbox import INBOX_ADDER
 from .lease import Lease, LeaseLost, lock_fenced
-from . import states
 
 log = logging.getLogger(__name__)
 
@@ -564,3 +564,42 @@ def compact_snapshots(lease_task: Task, plan: PlanState) -> None:
     """At the end of a run (in its finishing transaction): the last kept versions become
     full rows, older ones go (engine/snapshots.py)."""
     snapshots.compact(lease_task, plan.snapshot_state(lease_task))
+
+
+def commit_events(*, lease: Lease, plan: PlanState, consumed: list) -> int:
+    """Consume inbox events at a resume point, as one checkpoint fenced on the lease: each
+    event's state and outcome, the steps they add, a snapshot version, a progress event.
+    `consumed`: (InboundEvent, inbox.Applied) pairs. Returns the new version."""
+    now = timezone.now()
+    added = [(event, spec) for event, applied in consumed for spec in applied.add_steps]
+    with transaction.atomic():
+        task = lock_fenced(lease)
+        task.checkpoint_version += 1
+        task.event_seq += 1
+        task.inbox_pending -= len(consumed)
+        task.steps_total += len(added)
+        task.heartbeat_at = now
+        task.save(update_fields=["checkpoint_version", "event_seq", "inbox_pending", "steps_total", "heartbeat_at",
+                                 "updated_at"])
+        for event, applied in consumed:
+            InboundEvent.objects.filter(pk=event.pk).update(state=applied.state, outcome=applied.outcome[:2000],
+                                                            consumed_at=now, consumed_in_version=task.checkpoint_version)
+        first = plan.next_position()
+        Step.objects.bulk_create([step_row(task, spec, first + i, added_by=f"{INBOX_ADDER}{event.seq}")
+                                  for i, (event, spec) in enumerate(added)])
+        delta = {"steps": {spec.id: StepStatus.PENDING for _, spec in added}, "status": task.status,
+                 "inbox_consumed": [event.seq for event, _ in consumed]}
+        if added:
+            delta["added_by"] = {spec.id: f"{INBOX_ADDER}{event.seq}" for event, spec in added}
+        snapshots.write_delta(task, delta)
+        create_event(task, task.event_seq, "inbox_consumed", {
+            "events": [{"seq": e.seq, "type": e.type, "state": a.state, "outcome": a.outcome[:200]}
+                       for e, a in consumed][:50],
+            "steps_added": [spec.id for _, spec in added][:200], "version": task.checkpoint_version})
+        fault_point("mid_checkpoint", "inbox")  # crash tests: the consumption vanishes whole
+    fault_point("after_checkpoint", "inbox")
+    plan.version = task.checkpoint_version
+    for event, spec in added:
+        plan.add(spec.id, spec.depends_on, position=plan.next_position(), on_failure=spec.on_failure,
+                 runs_after_skipped=spec.runs_after_skipped, added_by=f"{INBOX_ADDER}{event.seq}")
+    return task.checkpoint_version

@@ -25,9 +25,9 @@ from django.utils import timezone
 from .. import telemetry
 from ..conf import harness
 from ..outage import DATABASE_DOWN, OutageWatch, retry_while_down
-from ..models import Step, StepStatus, Task, TaskStatus as S
+from ..models import InboundState, Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
-from . import checkpoint, lease as leases, results, scheduler, states, wal
+from . import checkpoint, inbox, lease as leases, results, scheduler, states, wal
 from ..primitives.cancellation import CancellationToken, Cancelled
 from .context import LimitExceeded, StepContext
 from .lease import Lease, LeaseLost
@@ -93,7 +93,8 @@ class Supervisor(threading.Thread):
         try:
             while not self._stopped.wait(harness.control_poll_seconds):
                 try:
-                    row = Task.objects.filter(pk=lease.task_id).values("control", "lease_epoch", "lease_owner").first()
+                    row = (Task.objects.filter(pk=lease.task_id)
+                           .values("control", "lease_epoch", "lease_owner", "inbox_seq").first())
                     if row is None or row["lease_epoch"] != lease.epoch or row["lease_owner"] != lease.owner:
                         self.runner.lose_lease()
                         return
@@ -102,6 +103,7 @@ class Supervisor(threading.Thread):
                         # end (and give up its lease) at any moment.
                         acknowledge(lease, row["control"])
                         self.runner.request(row["control"])
+                    self.runner.inbox_signal = row["inbox_seq"]  # the runner consumes at its next resume point
                     if self.runner.control:
                         self.publish_activities()
                     if time.monotonic() >= next_beat:
@@ -154,6 +156,8 @@ def acknowledge(lease: Lease, control: str) -> None:
         task.control_acknowledged_at = timezone.now()
         task.save(update_fields=["control_acknowledged_at"])
         append_event(task, "control_acknowledged", {"control": control, "worker": lease.owner})
+        inbox.settle_control(task, control, f"acknowledged by worker {lease.owner}: the running steps are "
+                                            f"{'cancelled' if control in ('stop', 'terminate') else 'let finish'}")
 
 
 class Runner:
@@ -178,6 +182,11 @@ class Runner:
         self.limit_hit = ""
         self._subtasks_lock = threading.Lock()
         self.live_subtasks = 0
+        # The inbox: the supervisor copies Task.inbox_seq here; the loop consumes at its next
+        # resume point when it moved (or when a merging event becomes visible).
+        self.inbox_signal = 0
+        self.inbox_consumed_at = -1
+        self.inbox_next_at = None
 
     # --- signals from the supervisor ------------------------------------------------
     def request(self, control: str) -> bool:
@@ -219,6 +228,8 @@ class Runner:
         self.task_type = task_type
         self.limits = {**harness.default_limits, **task.limits}
         self.base_active_seconds, self.base_tokens = task.active_seconds, task.tokens_used
+        self.inbox_signal = task.inbox_seq
+        self.inbox_consumed_at = -1 if task.inbox_pending else task.inbox_seq  # events sent while it waited
         try:
             self.plan = retry_while_down(
                 lambda: checkpoint.ensure_plan(lease=self.lease, task_type=task_type, params=self.params),
@@ -243,6 +254,9 @@ class Runner:
         try:
             while True:
                 halt = self.halt_reason()
+                if not halt and self.inbox_due():
+                    self.consume_inbox()  # a resume point: before the next steps start
+                    halt = self.halt_reason()
                 if not halt and self.submit_ready(pool, in_flight):
                     continue  # a step ran on this thread: look again at once
                 if not in_flight:
@@ -265,6 +279,39 @@ class Runner:
                 close_thread_connections(pool)
             pool.shutdown(wait=not abandon, cancel_futures=True)
         return self.finish()
+
+    # --- the inbox ---------------------------------------------------------------------------
+    def inbox_due(self) -> bool:
+        if self.inbox_signal != self.inbox_consumed_at:
+            return True
+        return self.inbox_next_at is not None and timezone.now() >= self.inbox_next_at
+
+    def consume_inbox(self) -> None:
+        """Apply the pending inbox events (P1 and below) as one checkpoint (checkpoint.commit_events)."""
+        signal, now = self.inbox_signal, timezone.now()
+        events = inbox.due(self.lease.task_id, now)
+        consumed, accepted = [], []
+        for event in events:
+            applied = inbox.apply(self.task_type, event, now)
+            if applied.add_steps:
+                try:
+                    self.plan.validate_growth(f"{inbox.INBOX_ADDER}{event.seq}", accepted + applied.add_steps)
+                    accepted.extend(applied.add_steps)
+                except checkpoint.InvalidPlanGrowth as exc:
+                    applied = inbox.Applied(f"rejected: {exc}", state=InboundState.REJECTED)
+            consumed.append((event, applied))
+        if consumed:
+            try:
+                checkpoint.commit_events(lease=self.lease, plan=self.plan, consumed=consumed)
+            except LeaseLost:
+                self.lose_lease()
+                return
+            log.info("inbox: %d event(s) consumed", len(consumed), extra={"task_id": self.lease.task_id})
+        self.inbox_consumed_at = signal
+        self.inbox_next_at = None if len(events) == inbox.CONSUMED_PER_RESUME_POINT else inbox.next_visible(
+            self.lease.task_id)
+        if len(events) == inbox.CONSUMED_PER_RESUME_POINT:
+            self.inbox_consumed_at = -1  # more are waiting: the next resume point takes them
 
     def grace_expired(self) -> bool:
         if self.control == "terminate":

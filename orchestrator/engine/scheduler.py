@@ -22,7 +22,22 @@ def enqueue(task_id: int) -> None:
     transaction.on_commit(lambda: send(task_id))
 
 
-def send(task_id: int) -> None:
+try:
+    from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+    BROKER_DOWN: tuple = (OSError, RedisConnectionError, RedisTimeoutError)
+except ImportError:  # pragma: no cover - redis is a dependency
+    BROKER_DOWN = (OSError,)
+
+
+def send(task_id: int) -> bool:
+    """Hand the task to the broker; False (and a warning) when the broker is unreachable —
+    the task is not lost: the sweeper re-sends it after ORCH_REQUEUE_AFTER_SECONDS."""
     from django_q.tasks import async_task
 
-    async_task(DRIVE, task_id, task_name=f"task-{task_id}", group="orchestrator")
+    try:
+        async_task(DRIVE, task_id, task_name=f"task-{task_id}", group="orchestrator")
+    except BROKER_DOWN as exc:
+        log.warning("broker unreachable: the sweeper will hand the task over again (%s)", exc,
+                    extra={"task_id": task_id})
+        return False
+    return True

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..conf import harness
 from ..models import AuditEntry, Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
-from . import actions, scheduler, states
+from . import actions, inbox, scheduler, states
 from .events import append_event
 from .checkpoint import plan_from, plan_rows, skip_steps
 
@@ -87,13 +87,20 @@ def task_create(*, type: str, params: dict, limits: dict | None = None, title: s
     return task
 
 
-def _request_control(task_id: int, control: str, *, target: str, actor, ip, reason: str) -> Task:
-    """Ask the runner of a running task to pause/stop/terminate; settle idle tasks directly."""
+def _request_control(task_id: int, control: str, *, target: str, actor, ip, reason: str,
+                     source_event_id: str = "") -> Task:
+    """Ask the runner of a running task to pause/stop/terminate; settle idle tasks directly.
+    Each request is a P0 event of the task's inbox, with its outcome."""
     with transaction.atomic():
         task = states.lock_task(task_id)
         if task.control == control or task.status == target:
+            if task.status not in states.TERMINAL:
+                inbox.record_control(task, control, actor=actor, source_event_id=source_event_id)
+                inbox.settle_control(task, control, f"already requested: the task is {task.status}")
             return task  # a repeated request is harmless
         actions.require(task, control, actor)
+        if inbox.record_control(task, control, actor=actor, source_event_id=source_event_id).duplicate:
+            return task
         if task.status in (S.RUNNING, S.PAUSING, S.STOPPING) and task.lease_owner:
             intermediate = {"pause": S.PAUSING, "stop": S.STOPPING, "terminate": task.status}[control]
             if intermediate != task.status:
@@ -107,27 +114,34 @@ def _request_control(task_id: int, control: str, *, target: str, actor, ip, reas
         else:
             # No runner holds it (queued, paused, awaiting review, between slices): settle
             # now, and fence off an executor that may just be starting on a queued task.
+            inbox.settle_control(task, control, f"applied at once: no worker held the task ({task.status} → "
+                                                f"{target})")
             states.transition(task, target, reason=reason or f"{control} by an operator", actor=actor, ip=ip,
                               action=f"task.{control}", control="", lease_owner="",
                               lease_epoch=task.lease_epoch + 1)
     return task
 
 
-def task_pause(*, task_id: int, actor=None, ip=None, reason: str = "") -> Task:
-    return _request_control(task_id, "pause", target=S.PAUSED, actor=actor, ip=ip, reason=reason)
+def task_pause(*, task_id: int, actor=None, ip=None, reason: str = "", source_event_id: str = "") -> Task:
+    return _request_control(task_id, "pause", target=S.PAUSED, actor=actor, ip=ip, reason=reason,
+                            source_event_id=source_event_id)
 
 
-def task_stop(*, task_id: int, actor=None, ip=None, reason: str = "") -> Task:
-    return _request_control(task_id, "stop", target=S.STOPPED, actor=actor, ip=ip, reason=reason)
+def task_stop(*, task_id: int, actor=None, ip=None, reason: str = "", source_event_id: str = "") -> Task:
+    return _request_control(task_id, "stop", target=S.STOPPED, actor=actor, ip=ip, reason=reason,
+                            source_event_id=source_event_id)
 
 
-def task_terminate(*, task_id: int, actor=None, ip=None, reason: str = "") -> Task:
-    return _request_control(task_id, "terminate", target=S.TERMINATED, actor=actor, ip=ip, reason=reason)
+def task_terminate(*, task_id: int, actor=None, ip=None, reason: str = "", source_event_id: str = "") -> Task:
+    return _request_control(task_id, "terminate", target=S.TERMINATED, actor=actor, ip=ip, reason=reason,
+                            source_event_id=source_event_id)
 
 
-def task_resume(*, task_id: int, limits: dict | None = None, actor=None, ip=None, reason: str = "") -> Task:
+def task_resume(*, task_id: int, limits: dict | None = None, actor=None, ip=None, reason: str = "",
+                source_event_id: str = "") -> Task:
     """Continue a paused task from its checkpoint on any worker, optionally with raised
-    limits (a task paused by a limit continues once that limit is raised)."""
+    limits (a task paused by a limit continues once that limit is raised). A P1 event of
+    the task's inbox, consumed at once."""
     with transaction.atomic():
         task = states.lock_task(task_id)
         if task.status in (S.QUEUED, S.RUNNING) and not limits:
@@ -138,6 +152,10 @@ def task_resume(*, task_id: int, limits: dict | None = None, actor=None, ip=None
             actions.require(task, "resume", actor, limits={})  # the state first, whatever the limits
             new_limits = {**task.limits, **validate_limits({**task.limits, **limits})}
         actions.require(task, "resume", actor, limits=new_limits)
+        if inbox.record_control(task, "resume", actor=actor, source_event_id=source_event_id).duplicate:
+            return task
+        inbox.settle_control(task, "resume", f"queued from checkpoint v{task.checkpoint_version}"
+                                             + (f" with limits {new_limits}" if limits else ""))
         task.limits = new_limits
         states.transition(task, S.QUEUED, reason=reason or "resumed by an operator", actor=actor, ip=ip,
                           action="task.resume", control="", lease_owner="",

@@ -6,6 +6,7 @@ from pydantic import BaseModel
 
 if TYPE_CHECKING:
     from ..engine.context import StepContext
+    from ..engine.inbox import Applied
     from ..models import Task
 
 
@@ -49,6 +50,16 @@ class TaskType:
     def run_step(self, ctx: "StepContext", step_id: str) -> Any:
         """Execute one step; return a JSON-serialisable result (committed with the step)."""
         raise NotImplementedError
+
+    # Event types (engine/inbox.py REGISTRY) this type acts on at a resume point, beyond the
+    # operator controls and the information types every task takes; handle_event decides.
+    event_types: ClassVar[tuple[str, ...]] = ()
+
+    def handle_event(self, event) -> "Applied":
+        """Apply one inbox event of `event_types` (an InboundEvent) at a resume point:
+        return inbox.Applied(outcome, add_steps=[StepSpec...]) — committed, with the steps,
+        in the consumption's checkpoint."""
+        raise NotImplementedError(f"{self.name} lists event types but does not handle them")
 
     def regenerate_added_steps(self, old_params: dict, new_params: dict) -> bool:
         """After a parameter edit: should the steps that steps added at run time be dropped

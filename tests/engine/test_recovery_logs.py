@@ -14,7 +14,7 @@ from django.db.models import F
 from orchestrator.engine import checkpoint, recovery, services, wal
 from orchestrator.engine.lease import claim
 from orchestrator.logging import JsonFormatter
-from orchestrator.models import Task, TaskEvent
+from orchestrator.models import IdempotencyRecord, Task, TaskEvent
 from orchestrator.tasktypes import get_type
 from tests.conftest import wait_for
 
@@ -84,7 +84,7 @@ def test_each_pending_effect_is_logged_with_its_wal_entry_id_and_what_recovery_d
         ("db.upsert", {"table": "demo_destination", "columns": ["id", "amount"], "rows": [[1, "1"]]}, True),
         ("db.upsert", {"table": "demo_destination", "columns": ["id", "amount"], "rows": [[2, "2"]]}, True),
     ])
-    wal.record_idempotency(recorded.idempotency_key, "db.upsert", {"rows": 1})  # it happened
+    IdempotencyRecord.objects.create(key=recorded.idempotency_key, tool="db.upsert", result={"rows": 1})  # it happened
     assert recovery.sweep() == [task.pk]
     task = Task.objects.get(pk=task.pk)
     assert task.status == "awaiting_review"

@@ -204,6 +204,7 @@ class GrowingParams(BaseModel):
     prefix: str = "item"  # read by the adder only: the ids it gives what it adds
     effects: bool = True  # each item upserts a row (ids 700_000 + task * 1000 + index)
     big_result_bytes: int = Field(0, ge=0)  # discover returns this much (a large result)
+    link_ms: int = Field(0, ge=0)  # chain: each link works this long (obeying the token)
 
 
 @register
@@ -218,6 +219,17 @@ class Growing(TaskType):
 
     name = "test.growing"
     Params = GrowingParams
+    # instruction {"add": n, "prefix": "extra"} adds n independent steps; user.message is noted.
+    event_types = ("instruction", "user.message")
+
+    def handle_event(self, event):
+        from orchestrator.engine.inbox import Applied
+
+        if event.type == "user.message":
+            return Applied(f"noted: {event.payload['text'][:80]}")
+        prefix, count = event.payload.get("prefix", "extra"), int(event.payload.get("add", 0))
+        specs = [StepSpec(f"{prefix}-{i}") for i in range(count)]
+        return Applied(f"added {count} step(s)", add_steps=specs)
 
     def plan(self, params):
         return [StepSpec("link-0")] if params.mode == "chain" else [StepSpec("discover")]
@@ -227,8 +239,12 @@ class Growing(TaskType):
 
     def run_step(self, ctx, step_id):
         p = ctx.params
+        if step_id.startswith("extra-") or step_id.startswith("urgent-"):
+            return step_id
         if step_id.startswith("link-"):
             index = int(step_id.split("-")[1])
+            if p.link_ms:
+                ctx.sleep(p.link_ms / 1000)
             if index + 1 < p.items:
                 ctx.add_steps(StepSpec(f"link-{index + 1}", depends_on=(step_id,)))
             return index + (ctx.deps.get(f"link-{index - 1}") or 0)

@@ -1,0 +1,362 @@
+"""The inbox: events sent into a task, and how the task consumes them.
+
+One door in. Senders (the API, the pages, the CLI, the operator controls) only enqueue an
+InboundEvent, committed before the reply; the runner consumes pending events at resume
+points (between steps), in the same transaction as the checkpoint that applies them,
+fenced on the lease — so each event is applied exactly once, even across kill -9.
+
+Priorities:
+- P0 interrupts: the operator controls pause, stop and terminate. They act through the
+  control column the supervisor polls every ORCH_CONTROL_POLL_SECONDS (the running step is
+  cancelled through the token tree); their inbox row records the request and its outcome.
+- P1 is applied at the next resume point, never aborting a step: `resume`, `user.message`,
+  `instruction`, `approval.decided` (the task type's handler decides what it means).
+- P3 updates state at the next resume point (`upstream.ready`); P4 is recorded only
+  (`progress.external`) and expires after ORCH_INBOX_P4_TTL_SECONDS.
+- P2 (the retry / compensation policy) is not built yet: a P2 event is refused (422).
+
+Dedupe: `source_event_id` is unique per (task, source) for the task's life; a repeat with
+the same payload answers the first event (`duplicate`), another payload is refused (409).
+Merge: a mergeable type's new event supersedes its group's (task, type, merge_key) pending
+events received in the last ORCH_INBOX_MERGE_SECONDS, and becomes visible that long after
+the last of a burst, at most ORCH_INBOX_MERGE_CAP_SECONDS after its first.
+Backpressure: past ORCH_INBOX_SHED_P4_AT / _P3_AT / _P2_AT pending events, new P4 / P3 / P2
+events are refused with Retry-After (429) and kept as `shed` rows (counted, listed); P0 and
+P1 are always accepted; at ORCH_INBOX_PAUSE_AT pending the task pauses and its operators
+are told.
+"""
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..conf import harness
+from ..models import InboundEvent, InboundState, Task, TaskStatus as S
+from ..notifications import notify_needs_human
+from ..tasktypes import get_type
+from . import states
+from .events import append_event
+
+log = logging.getLogger(__name__)
+
+MAX_PAYLOAD_BYTES = 64 * 1024
+RETRY_AFTER_SECONDS = 5
+CONSUMED_PER_RESUME_POINT = 100
+
+
+class AnyPayload(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class NoPayload(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class UserMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: str = Field(..., min_length=1, max_length=20_000)
+
+
+class ApprovalDecided(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    approved: bool
+    approval_id: str = ""
+    note: str = Field("", max_length=2000)
+
+
+class UpstreamReady(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    resource: str = Field("", max_length=500)
+
+
+class ProgressExternal(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    message: str = Field("", max_length=2000)
+    percent: float | None = Field(None, ge=0, le=100)
+
+
+@dataclass(frozen=True)
+class EventType:
+    name: str
+    default_priority: int
+    payload: type[BaseModel]
+    # Who may send it, and the highest priority (lowest number) each may ask for.
+    ceilings: dict[str, int] = field(default_factory=lambda: {"operator": 0, "user": 1, "system": 0,
+                                                                "internal": 0, "webhook": 1})
+    mergeable: bool = False
+    description: str = ""
+
+
+OPERATORS_ONLY = {"operator": 0, "system": 0}
+CONTROL_TYPES = ("pause", "stop", "terminate", "resume")
+
+REGISTRY: dict[str, EventType] = {t.name: t for t in (
+    EventType("pause", 0, NoPayload, OPERATORS_ONLY, description="pause at the next resume point"),
+    EventType("stop", 0, NoPayload, OPERATORS_ONLY, description="stop: cancel the running step, keep the work done"),
+    EventType("terminate", 0, NoPayload, OPERATORS_ONLY, description="force-terminate: nothing left running"),
+    EventType("resume", 1, NoPayload, OPERATORS_ONLY, description="continue a paused task from its checkpoint"),
+    EventType("user.message", 1, UserMessage, description="a message to a running agent"),
+    EventType("instruction", 1, AnyPayload, description="a task-type specific instruction"),
+    EventType("approval.decided", 1, ApprovalDecided, description="an approval decided in another system"),
+    EventType("upstream.ready", 3, UpstreamReady, mergeable=True, description="upstream data is ready"),
+    EventType("progress.external", 4, ProgressExternal, mergeable=True, description="progress reported from outside"),
+)}
+
+
+class InboxRefused(Exception):
+    """An event the inbox does not take; `status` is the HTTP status that says why."""
+
+    def __init__(self, status: int, message: str, *, field: str = "", retry_after: int | None = None,
+                 pending: int | None = None):
+        super().__init__(message)
+        self.status, self.field, self.retry_after, self.pending = status, field, retry_after, pending
+
+
+@dataclass
+class Sent:
+    event: InboundEvent
+    duplicate: bool = False
+
+
+def parse_priority(value) -> int | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, str) and value.upper().startswith("P") and value[1:].isdigit():
+        value = int(value[1:])
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 4:
+        raise InboxRefused(422, f"priority must be 0-4 or P0-P4, got {value!r}", field="priority")
+    return value
+
+
+def source_kind(source: str) -> str:
+    return source.split(":", 1)[0]
+
+
+def accepted_types(task_type) -> tuple[str, ...]:
+    """The event types a task of `task_type` takes: the controls and the information types,
+    plus those its type handles (TaskType.event_types)."""
+    return (*CONTROL_TYPES, "upstream.ready", "progress.external", *getattr(task_type, "event_types", ()))
+
+
+def digest(payload: dict) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def validate(task: Task, type_name: str, priority, payload, source: str) -> tuple[EventType, int, dict]:
+    event_type = REGISTRY.get(type_name)
+    task_type = get_type(task.type)
+    if event_type is None or type_name not in accepted_types(task_type):
+        takes = ", ".join(accepted_types(task_type))
+        raise InboxRefused(422, f"task #{task.pk} ({task.type}) does not take {type_name!r} events; it takes: {takes}",
+                           field="type")
+    priority = event_type.default_priority if parse_priority(priority) is None else parse_priority(priority)
+    ceiling = event_type.ceilings.get(source_kind(source))
+    if ceiling is None:
+        raise InboxRefused(403, f"{source_kind(source)} senders may not send {type_name!r} events", field="source")
+    if priority < ceiling:
+        raise InboxRefused(422, f"{source_kind(source)} senders may send {type_name!r} at P{ceiling} at most "
+                                f"(asked for P{priority})", field="priority")
+    if priority == 2:
+        raise InboxRefused(422, "P2 (recovery) events are not supported yet: send P1 to act at the next resume "
+                                "point, or P3 to update state", field="priority")
+    if type_name in CONTROL_TYPES and priority != event_type.default_priority:
+        raise InboxRefused(422, f"{type_name!r} is always P{event_type.default_priority}", field="priority")
+    encoded = json.dumps(payload if payload is not None else {}, separators=(",", ":"))
+    if len(encoded.encode()) > MAX_PAYLOAD_BYTES:
+        raise InboxRefused(413, f"the payload is {len(encoded.encode())} bytes; at most {MAX_PAYLOAD_BYTES} are "
+                                f"taken: send a reference (a URL, a path) instead", field="payload")
+    try:
+        clean = event_type.payload.model_validate(payload if payload is not None else {}).model_dump(mode="json")
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(["payload", *map(str, first["loc"])])
+        raise InboxRefused(422, f"{where}: {first['msg']}", field=where) from None
+    return event_type, priority, clean
+
+
+def send(*, task_id: int, type: str, payload: dict | None = None, priority=None, source: str = "operator",
+         actor=None, source_event_id: str = "", merge_key: str = "", occurred_at: datetime | None = None) -> Sent:
+    """Put an event in a task's inbox (committed when this returns). Raises InboxRefused."""
+    source_event_id = (source_event_id or "").strip()[:200]
+    with transaction.atomic():
+        task = states.lock_task(task_id)
+        if task.status in states.TERMINAL:
+            raise InboxRefused(409, f"task #{task.pk} is {task.status}: it takes no more events")
+        if type in CONTROL_TYPES:
+            raise InboxRefused(422, f"{type!r} is an operator control: use POST /api/tasks/{{id}}/{type}", field="type")
+        event_type, priority, clean = validate(task, type, priority, payload, source)
+        payload_hash = digest(clean)
+        if source_event_id:
+            first = (InboundEvent.objects.filter(task=task, source=source, source_event_id=source_event_id)
+                     .exclude(state=InboundState.SHED).first())
+            if first is not None:
+                if first.payload_sha256 != payload_hash or first.type != type:
+                    raise InboxRefused(409, f"source_event_id {source_event_id!r} was already used by {source} for "
+                                            f"event #{first.seq} with another type or payload", field="source_event_id")
+                return Sent(first, duplicate=True)
+        now = timezone.now()
+        shed = _shed_reason(task, priority)
+        task.inbox_seq += 1
+        fields = dict(task=task, seq=task.inbox_seq, type=type, priority=priority, source=source,
+                      actor=actor if getattr(actor, "is_authenticated", False) else None,
+                      actor_name=getattr(actor, "username", "") or source, source_event_id=source_event_id,
+                      payload=clean, payload_sha256=payload_hash, merge_key=merge_key[:200], occurred_at=occurred_at,
+                      visible_at=now)
+        if shed:
+            InboundEvent.objects.create(**fields, state=InboundState.SHED, outcome=shed)
+            task.save(update_fields=["inbox_seq"])
+            transaction.on_commit(lambda: log.warning("inbox: event shed", extra={"task_id": task_id}))
+            raise_later = InboxRefused(429, shed, retry_after=RETRY_AFTER_SECONDS, pending=task.inbox_pending)
+        else:
+            raise_later = None
+            if event_type.mergeable:
+                fields["visible_at"] = _merge(task, type, merge_key, now)
+            event = InboundEvent.objects.create(**fields)
+            if event_type.mergeable:
+                merged = (InboundEvent.objects.filter(task=task, type=type, merge_key=merge_key[:200],
+                                                      state=InboundState.PENDING,
+                                                      created_at__gte=now - timedelta(seconds=harness.inbox["merge_seconds"]))
+                          .exclude(pk=event.pk).update(state=InboundState.MERGED, superseded_by=event,
+                                                       outcome=f"merged into #{event.seq}"))
+                task.inbox_pending -= merged
+            task.inbox_pending += 1
+            task.save(update_fields=["inbox_seq", "inbox_pending", "updated_at"])
+            append_event(task, "inbox", {"seq": event.seq, "type": type, "priority": priority, "source": source})
+            if task.inbox_pending >= harness.inbox["pause_at"] and task.status in (S.RUNNING, S.QUEUED):
+                _pause_for_backlog(task)
+    if raise_later is not None:
+        raise raise_later
+    return Sent(InboundEvent.objects.get(pk=event.pk))
+
+
+def _shed_reason(task: Task, priority: int) -> str:
+    limits = harness.inbox
+    pending = task.inbox_pending
+    for p, key in ((4, "shed_p4_at"), (3, "shed_p3_at"), (2, "shed_p2_at")):
+        if priority >= p and pending >= limits[key]:
+            return (f"task #{task.pk} has {pending} pending events (the limit for P{priority} is {limits[key]}): "
+                    f"try again in {RETRY_AFTER_SECONDS} s")
+    if priority >= 3:
+        everywhere = InboundEvent.objects.filter(state=InboundState.PENDING, priority__gte=3).count()
+        if everywhere >= limits["shed_all_at"]:
+            return (f"{everywhere} P3/P4 events are pending across the installation (the limit is "
+                    f"{limits['shed_all_at']}): try again in {RETRY_AFTER_SECONDS} s")
+    return ""
+
+
+def _merge(task: Task, type_name: str, merge_key: str, now: datetime) -> datetime:
+    """When a mergeable event becomes visible: ORCH_INBOX_MERGE_SECONDS after it, but no
+    later than ORCH_INBOX_MERGE_CAP_SECONDS after the first pending event of its burst."""
+    limits = harness.inbox
+    first = (InboundEvent.objects.filter(task=task, type=type_name, merge_key=merge_key,
+                                         state__in=(InboundState.PENDING, InboundState.MERGED),
+                                         created_at__gte=now - timedelta(seconds=limits["merge_cap_seconds"]))
+             .order_by("created_at").values_list("created_at", flat=True).first())
+    visible = now + timedelta(seconds=limits["merge_seconds"])
+    if first is not None:
+        visible = min(visible, first + timedelta(seconds=limits["merge_cap_seconds"]))
+    return max(visible, now)
+
+
+def _pause_for_backlog(task: Task) -> None:
+    """Too many pending events: the task pauses, its operators are told (needs_human mail)."""
+    reason = (f"{task.inbox_pending} events are waiting in its inbox (ORCH_INBOX_PAUSE_AT="
+              f"{harness.inbox['pause_at']}): paused until an operator looks")
+    if task.status == S.RUNNING and task.lease_owner:
+        task.control, task.control_requested_at = "pause", timezone.now()
+        states.transition(task, S.PAUSING, reason=reason, control="pause", control_requested_at=timezone.now())
+    else:
+        states.transition(task, S.PAUSED, reason=reason, control="", lease_owner="",
+                          lease_epoch=task.lease_epoch + 1)
+    task_id = task.pk
+    transaction.on_commit(lambda: notify_needs_human(task_id))
+
+
+def record_control(task: Task, type_name: str, *, actor=None, source: str = "operator",
+                   source_event_id: str = "") -> Sent:
+    """An operator control (pause, stop, terminate, resume) as an inbox row, in the caller's
+    transaction with the task row locked (engine/services.py). Pending until the runner
+    acknowledges it, or settled at once when no runner holds the task (settle_control)."""
+    event_type = REGISTRY[type_name]
+    source_event_id = (source_event_id or "").strip()[:200]
+    payload_hash = digest({})
+    if source_event_id:
+        first = InboundEvent.objects.filter(task=task, source=source, source_event_id=source_event_id).first()
+        if first is not None:
+            if first.type != type_name:
+                raise InboxRefused(409, f"source_event_id {source_event_id!r} was already used by {source} for "
+                                        f"event #{first.seq} ({first.type})", field="source_event_id")
+            return Sent(first, duplicate=True)
+    task.inbox_seq += 1
+    task.inbox_pending += 1
+    Task.objects.filter(pk=task.pk).update(inbox_seq=task.inbox_seq, inbox_pending=F("inbox_pending") + 1)
+    event = InboundEvent.objects.create(
+        task=task, seq=task.inbox_seq, type=type_name, priority=event_type.default_priority, source=source,
+        actor=actor if getattr(actor, "is_authenticated", False) else None,
+        actor_name=getattr(actor, "username", "") or source, source_event_id=source_event_id, payload={},
+        payload_sha256=payload_hash, visible_at=timezone.now())
+    return Sent(event)
+
+
+def settle_control(task: Task, type_name: str, outcome: str) -> int:
+    """Mark the pending control events of `type_name` consumed with `outcome` (in the caller's
+    transaction, with the task row locked); returns how many."""
+    now = timezone.now()
+    count = InboundEvent.objects.filter(task=task, type=type_name, state=InboundState.PENDING).update(
+        state=InboundState.CONSUMED, outcome=outcome[:2000], consumed_at=now,
+        consumed_in_version=task.checkpoint_version)
+    if count:
+        Task.objects.filter(pk=task.pk).update(inbox_pending=F("inbox_pending") - count)
+        task.inbox_pending -= count
+    return count
+
+
+INBOX_ADDER = "inbox#"  # Step.added_by of a step an event added: "inbox#<seq>"
+
+
+@dataclass
+class Applied:
+    """What consuming one event did: its outcome (shown with it), the state it ends in, and
+    steps it adds to the plan (committed with the consumption)."""
+
+    outcome: str
+    add_steps: list = field(default_factory=list)
+    state: str = InboundState.CONSUMED
+
+
+def due(task_id: int, now: datetime) -> list[InboundEvent]:
+    """The events a resume point consumes: pending, visible, not controls (those act through
+    the control column), most urgent first, in seq order within a priority."""
+    return list(InboundEvent.objects.filter(task_id=task_id, state=InboundState.PENDING, visible_at__lte=now)
+                .exclude(type__in=CONTROL_TYPES).order_by("priority", "seq")[:CONSUMED_PER_RESUME_POINT])
+
+
+def next_visible(task_id: int) -> datetime | None:
+    """When the next pending (merging) event becomes visible."""
+    return (InboundEvent.objects.filter(task_id=task_id, state=InboundState.PENDING).exclude(type__in=CONTROL_TYPES)
+            .order_by("visible_at").values_list("visible_at", flat=True).first())
+
+
+def apply(task_type, event: InboundEvent, now: datetime) -> Applied:
+    """What consuming `event` means: an expired P4, recorded information, or what the task
+    type's handler (`TaskType.handle_event`) decides."""
+    if event.priority == 4 and (now - event.created_at).total_seconds() > harness.inbox["p4_ttl_seconds"]:
+        return Applied(f"expired: not consumed within {harness.inbox['p4_ttl_seconds']:g} s",
+                       state=InboundState.EXPIRED)
+    if event.type in getattr(task_type, "event_types", ()):
+        try:
+            return task_type.handle_event(event)
+        except Exception as exc:  # the handler's bug must not stop the task: the event says why
+            log.warning("event handler failed", exc_info=True, extra={"task_id": event.task_id})
+            return Applied(f"rejected: the handler failed ({type(exc).__name__}: {exc})"[:2000],
+                           state=InboundState.REJECTED)
+    if event.type == "progress.external":
+        return Applied("recorded")
+    return Applied(f"recorded: {event.type} changes nothing in a {task_type.name} task")
+
