@@ -11,7 +11,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from orchestrator.engine import scheduler, states
-from orchestrator.engine.services import FieldError, InvalidInput, audit
+from orchestrator.engine.audit import audit
+from orchestrator.engine.services import FieldError, InvalidInput
 from orchestrator.models import IdempotencyRecord, TaskStatus as S, WalEntry, WalStatus
 from orchestrator.tools.base import get_tool
 

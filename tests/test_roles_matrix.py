@@ -26,11 +26,12 @@ LOGIN_URL = "/accounts/login/"
 # --- the policy -------------------------------------------------------------------------------
 # kind -> the identities allowed to do it (orchestrator/roles.py: viewer reads; operator also creates and
 # controls tasks; reviewer also decides review items; superusers hold every role).
-READ, CREATE, CONTROL, REVIEW = "read", "create", "control", "review"
+READ, CREATE, CONTROL, REVIEW, SEND = "read", "create", "control", "review", "send"
 ALLOWED = {
     READ: {"viewer", "operator", "reviewer", "superuser"},
     CREATE: {"operator", "superuser"},
     CONTROL: {"operator", "superuser"},
+    SEND: {"operator", "superuser"},  # an event into a task
     REVIEW: {"reviewer", "superuser"},
 }
 IDENTITIES = ["anonymous", "norole", "viewer", "operator", "reviewer", "superuser"]
@@ -54,12 +55,14 @@ API_MATRIX = {
     ("get", "/api/tasks/{task_id}/audit"): (READ, None),
     ("get", "/api/tasks/{task_id}/export"): (READ, None),
     ("get", "/api/tasks/{task_id}/steps/{step_id}/result"): (READ, None),
+    ("post", "/api/tasks/{task_id}/events"): (SEND, "task.event"),
+    ("get", "/api/tasks/{task_id}/inbox"): (READ, None),
     ("get", "/api/reviews"): (READ, None),
     ("get", "/api/reviews/{review_id}"): (READ, None),
     ("post", "/api/reviews/{review_id}/decide"): (REVIEW, "review.decide"),
 }
 # What an allowed call answers, by kind.
-API_OK = {READ: {200}, CREATE: {201}, CONTROL: {200, 409}, REVIEW: {200, 409}}
+API_OK = {READ: {200}, CREATE: {201}, CONTROL: {200, 409}, REVIEW: {200, 409}, SEND: {202}}
 
 # (method, Django route, POST data) -> (kind, audited action or None). Routes are those of
 # the URLconf (admin/, accounts/ and api/ are covered elsewhere).
@@ -216,6 +219,8 @@ def test_api_matrix(client, make_user, method, path, identity, auth):
             body = {"version": 1}
         elif path.endswith("/skip-step"):
             body = SKIP_STEP
+        elif path.endswith("/events"):
+            body = {"type": "progress.external", "payload": {"message": "from the roles matrix"}}
         response = client.post(url, body, content_type="application/json", **headers)
 
     expected = expected_api_statuses(identity, kind)
@@ -228,7 +233,7 @@ def test_api_matrix(client, make_user, method, path, identity, auth):
                                review_before=review_before)
     elif kind == CREATE:
         assert_audited(user=user, action=action, task_id=response.json()["id"])
-    elif kind in (CONTROL, REVIEW) and response.status_code == 200:
+    elif kind in (CONTROL, REVIEW) and response.status_code == 200 or kind == SEND:
         assert_audited(user=user, action=action, task_id=task.pk)
 
 

@@ -85,7 +85,8 @@ def send_event(request, body: EventIn, task_id: int = id_param("a task id")):
         duplicate = event.seq <= before
         return Status(200 if duplicate else 202, inbound_out(event, duplicate))
     sent = inbox.send(task_id=task_id, type=body.type, payload=body.payload, priority=body.priority,
-                      source="operator", actor=request.auth, source_event_id=body.source_event_id,
+                      source="operator", actor=request.auth, ip=client_ip(request),
+                      source_event_id=body.source_event_id,
                       merge_key=body.merge_key, occurred_at=body.occurred_at)
     return Status(200 if sent.duplicate else 202, inbound_out(sent.event, sent.duplicate))
 

@@ -41,6 +41,7 @@ from ..models import InboundEvent, InboundState, Task, TaskStatus as S
 from ..notifications import notify_needs_human
 from ..tasktypes import get_type
 from . import states
+from .audit import audit
 from .events import append_event
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,8 @@ def validate(task: Task, type_name: str, priority, payload, source: str) -> tupl
 
 
 def send(*, task_id: int, type: str, payload: dict | None = None, priority=None, source: str = "operator",
-         actor=None, source_event_id: str = "", merge_key: str = "", occurred_at: datetime | None = None) -> Sent:
+         actor=None, ip: str | None = None, source_event_id: str = "", merge_key: str = "",
+         occurred_at: datetime | None = None) -> Sent:
     """Put an event in a task's inbox (committed when this returns). Raises InboxRefused."""
     source_event_id = (source_event_id or "").strip()[:200]
     with transaction.atomic():
@@ -228,6 +230,9 @@ def send(*, task_id: int, type: str, payload: dict | None = None, priority=None,
             task.inbox_pending += 1
             task.save(update_fields=["inbox_seq", "inbox_pending", "updated_at"])
             append_event(task, "inbox", {"seq": event.seq, "type": type, "priority": priority, "source": source})
+            audit(action="task.event", actor=actor, ip=ip, task=task,
+                  after={"seq": event.seq, "type": type, "priority": priority, "source": source,
+                         "source_event_id": source_event_id})
             if task.inbox_pending >= harness.inbox["pause_at"] and task.status in (S.RUNNING, S.QUEUED):
                 _pause_for_backlog(task)
     if raise_later is not None:

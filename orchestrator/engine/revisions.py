@@ -27,7 +27,8 @@ from ..tools.base import ToolError, get_tool
 from . import actions, scheduler, snapshots, states
 from .checkpoint import snapshot_now, step_row
 from .events import append_event
-from .services import FieldError, InvalidInput, audit, validate_limits, validate_params
+from .audit import audit
+from .services import FieldError, InvalidInput, validate_limits, validate_params
 
 
 class StalePreview(states.InvalidTransition):

@@ -9,9 +9,10 @@ from django.utils import timezone
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..conf import harness
-from ..models import AuditEntry, Step, StepStatus, Task, TaskStatus as S
+from ..models import Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
 from . import actions, inbox, scheduler, states
+from .audit import audit
 from .events import append_event
 from .checkpoint import plan_from, plan_rows, skip_steps
 
@@ -62,14 +63,6 @@ def validate_limits(limits: dict | None) -> dict:
     except ValidationError as exc:
         raise InvalidInput(_field_errors(exc, "limits")) from None
     return {**harness.default_limits, **given}
-
-
-def audit(*, action: str, actor=None, ip: str | None = None, task: Task | None = None,
-          before=None, after=None, reason: str = "") -> AuditEntry:
-    return AuditEntry.objects.create(
-        actor=actor if getattr(actor, "is_authenticated", False) else None,
-        actor_name=getattr(actor, "username", "") or "system", ip=ip, action=action, task=task,
-        before=before, after=after, reason=reason)
 
 
 def task_create(*, type: str, params: dict, limits: dict | None = None, title: str = "", actor=None,
