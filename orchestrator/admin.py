@@ -16,8 +16,8 @@ from django.utils.http import urlencode
 from review.models import ReviewItem
 
 from .models import (
-    ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, Snapshot, Step,
-    StepResult, Task, TaskEvent, WalEntry,
+    ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, InboundEvent,
+    Snapshot, Step, StepResult, Task, TaskEvent, WalEntry,
 )
 
 admin.site.site_header = "Orchestrator administration"
@@ -265,6 +265,18 @@ class SnapshotAdmin(TaskRecordAdmin):
     list_display = ("id", task_link, "version", "full", "step_id", "created_at")
     list_filter = (TaskFilter, "full", "created_at")
     search_fields = ("=task__id", "step_id")
+    date_hierarchy = "created_at"
+    list_select_related = ("task",)
+
+
+@admin.register(InboundEvent)
+class InboundEventAdmin(TaskRecordAdmin):
+    """Events sent into tasks (their inboxes), with what each task did with them."""
+
+    list_display = ("id", task_link, "seq", "type", "priority", "source", "actor_name", "state", "outcome",
+                    "created_at", "consumed_at")
+    list_filter = (TaskFilter, "state", "priority", "type", "created_at")
+    search_fields = ("=task__id", "type", "source", "source_event_id", "actor_name")
     date_hierarchy = "created_at"
     list_select_related = ("task",)
 

@@ -71,7 +71,7 @@ TABLE: tuple[Setting, ...] = (
     Setting("ORCH_PURE_STEP_SYNC_COMMIT", boolean, False,
             "PostgreSQL: wait for the disk flush when committing a step that had no side effect "
             "(off: such a step is recomputed if the database server itself crashes)"),
-    Setting("ORCH_FAULTS", str, "", "fault injection for the crash tests (engine/faults.py); unset in production"),
+    Setting("ORCH_FAULTS", str, "", "fault injection for the crash tests (primitives/faults.py); unset in production"),
     # --- events sent into tasks (the inbox, engine/inbox.py)
     Setting("ORCH_INBOX_SHED_P4_AT", int, 100, "pending events of a task past which new P4 events are refused (429)"),
     Setting("ORCH_INBOX_SHED_P3_AT", int, 250, "pending events of a task past which new P3 events are refused too"),

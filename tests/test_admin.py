@@ -8,10 +8,10 @@ from django.contrib import admin
 from django.contrib.auth.models import Permission, User
 from django.urls import reverse
 
-from orchestrator.engine import services
+from orchestrator.engine import inbox, services
 from orchestrator.models import (
-    ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, Snapshot, Step,
-    StepResult, Task, TaskEvent, WalEntry,
+    ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, InboundEvent,
+    Snapshot, Step, StepResult, Task, TaskEvent, WalEntry,
 )
 from review.models import ReviewItem
 from review.services import review_decide, review_open
@@ -19,7 +19,8 @@ from review.services import review_decide, review_open
 pytestmark = pytest.mark.django_db
 
 PROJECT_APPS = ("orchestrator", "review")
-HARNESS_MODELS = [Task, Step, WalEntry, Snapshot, StepResult, TaskEvent, IdempotencyRecord, AuditEntry, ReviewItem]
+HARNESS_MODELS = [Task, Step, WalEntry, Snapshot, StepResult, TaskEvent, InboundEvent, IdempotencyRecord, AuditEntry,
+                  ReviewItem]
 TASK_RECORD_MODELS = [Step, WalEntry, Snapshot, TaskEvent, AuditEntry]
 APPEND_ONLY = [AuditEntry, WalEntry]
 READ_ONLY = [ReviewItem]  # decisions go through the review page or the API, which audit them
@@ -49,6 +50,7 @@ def records(superuser):
     IdempotencyRecord.objects.create(key="key-1", tool="db.upsert", result={"ok": True})
     Snapshot.objects.create(task=task, version=1, step_id="stage-1", state={"plan": []})
     StepResult.objects.create(task=task, step_id="stage-1", data={"rows": list(range(10))})
+    inbox.send(task_id=task.pk, type="progress.external", payload={"message": "alpha from outside"}, source="system")
     ApiToken.objects.create(user=superuser, token_hash="f" * 64, prefix="orch_abcdefg")
     DemoSource.objects.create(id=1, amount="1.5")
     DemoDestination.objects.create(id=1, amount="1.5")
@@ -130,7 +132,8 @@ def test_audit_search_and_filters(client, superuser, records):
     pause = AuditEntry.objects.get(task=task, action="task.pause")
     created = AuditEntry.objects.get(task=task, action="task.create")
     anonymous_create = AuditEntry.objects.get(task=other, action="task.create")
-    assert result_ids(client.get(changelist)) == {pause.pk, created.pk, anonymous_create.pk}
+    sent = AuditEntry.objects.get(task=task, action="task.event")  # the fixture's event from outside
+    assert result_ids(client.get(changelist)) == {pause.pk, created.pk, anonymous_create.pk, sent.pk}
     assert result_ids(client.get(changelist, {"action__exact": "task.pause"})) == {pause.pk}
     assert result_ids(client.get(changelist, {"action__exact": "task.create"})) == {created.pk, anonymous_create.pk}
     assert result_ids(client.get(changelist, {"q": "checking the books"})) == {pause.pk}

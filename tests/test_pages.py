@@ -413,3 +413,15 @@ def test_form_fields_cover_the_schema_types():
     assert fields["mode"]["widget"] == "select" and fields["mode"]["choices"] == ["fast", "safe"]
     assert fields["weights"]["widget"] == "json"
     assert fields["note"]["widget"] == "textarea"
+
+
+@pytest.mark.django_db
+def test_the_task_page_lists_the_inbox_with_outcomes(client, operator, task):
+    from orchestrator.engine import services as engine_services
+
+    engine_services.task_pause(task_id=task.pk, actor=operator)
+    client.force_login(operator)
+    body = client.get(detail_url(task.pk)).content.decode()
+    table = body.split('data-testid="inbox-table"', 1)[1].split("</table>", 1)[0]
+    assert 'data-testid="inbox-row" data-seq="1" data-state="consumed"' in table
+    assert "pause" in table and "applied at once" in table

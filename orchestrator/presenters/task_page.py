@@ -16,6 +16,7 @@ STEP_ROWS_SHOWN = 2000
 WAL_ROWS_SHOWN = 500
 EVENTS_SHOWN = 200
 AUDIT_SHOWN = 500
+INBOX_SHOWN = 50
 SNAPSHOTS_SHOWN = 20  # the newest kept versions (a long run keeps up to ORCH_SNAPSHOT_FULL_EVERY more)
 
 # The page's clock (heartbeat age, a running step's bar): one call per render, so every
@@ -67,6 +68,7 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
         "events": events,
         "events_shown": EVENTS_SHOWN,
         "audit": list(task.audit_entries.select_related("actor").all()[:AUDIT_SHOWN]),
+        "inbox": list(task.inbox.order_by("-seq")[:INBOX_SHOWN]),
         "can_operate": roles.OPERATOR in roles.user_roles(user) if user is not None else False,
         "actions": verdicts,
         "allowed_actions": " ".join(name for name, verdict in verdicts.items() if verdict.allowed),
