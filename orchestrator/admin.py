@@ -6,7 +6,7 @@ audit entries).
 
 Every record links to its task and to the task's other records (steps, WAL, snapshots,
 events, audit); a changelist opened from such a link shows the task as an active filter."""
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.db import DataError, transaction
 from django.urls import reverse
@@ -15,9 +15,11 @@ from django.utils.http import urlencode
 
 from review.models import ReviewItem
 
+from .engine import webhooks
+from .engine.audit import audit
 from .models import (
     ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, InboundEvent,
-    Snapshot, Step, StepResult, Task, TaskEvent, WalEntry,
+    Snapshot, Step, StepResult, Task, TaskEvent, WalEntry, WebhookSource,
 )
 
 admin.site.site_header = "Orchestrator administration"
@@ -267,6 +269,45 @@ class SnapshotAdmin(TaskRecordAdmin):
     search_fields = ("=task__id", "step_id")
     date_hierarchy = "created_at"
     list_select_related = ("task",)
+
+
+@admin.register(WebhookSource)
+class WebhookSourceAdmin(GuardedChangelistAdmin):
+    """Outside systems that post signed events (POST /api/hooks/<name>/tasks/<id>/events).
+    A secret is shown once, when it is made (on creation, or by the rotate action)."""
+
+    list_display = ("name", "enabled", "allowed_types", "task_types", "priority_ceiling", "secrets_kept",
+                    "last_used_at", "created_at")
+    list_filter = ("enabled", "created_at")
+    search_fields = ("name",)
+    date_hierarchy = "created_at"
+    exclude = ("secrets",)
+    readonly_fields = ("secrets_kept", "last_used_at", "created_at")
+    actions = ["rotate_secret"]
+
+    @admin.display(description="secrets")
+    def secrets_kept(self, obj):
+        return len(obj.secrets or [])
+
+    def save_model(self, request, obj, form, change):
+        secret = None
+        if not change:
+            secret = webhooks.new_secret()
+            obj.secrets = [secret]
+        super().save_model(request, obj, form, change)
+        audit(action="webhook_source.save", actor=request.user, ip=request.META.get("REMOTE_ADDR"),
+              after={"name": obj.name, "allowed_types": obj.allowed_types, "task_types": obj.task_types,
+                     "priority_ceiling": obj.priority_ceiling, "enabled": obj.enabled})
+        if secret:
+            messages.warning(request, f"The secret of {obj.name} — shown this once, copy it to the sender now: {secret}")
+
+    @admin.action(description="Rotate the secret (the previous ones keep working until dropped)")
+    def rotate_secret(self, request, queryset):
+        for source in queryset:
+            secret = webhooks.rotate(source)
+            audit(action="webhook_source.rotate", actor=request.user, ip=request.META.get("REMOTE_ADDR"),
+                  after={"name": source.name, "secrets_kept": len(source.secrets)})
+            messages.warning(request, f"The new secret of {source.name} — shown this once: {secret}")
 
 
 @admin.register(InboundEvent)

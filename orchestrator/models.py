@@ -300,6 +300,25 @@ class InboundEvent(models.Model):
         return f"task {self.task_id} inbox #{self.seq} {self.type} P{self.priority} ({self.state})"
 
 
+class WebhookSource(models.Model):
+    """An outside system that may post signed events into tasks (POST /api/hooks/<name>/...).
+
+    Its secrets (Standard Webhooks `whsec_...`, 32 random bytes each) are shown once, when
+    made; several are kept so a sender can rotate without a gap."""
+
+    name = models.SlugField(max_length=60, unique=True)
+    secrets = models.JSONField(default=list)  # never shown after creation (engine/webhooks.py)
+    allowed_types = models.JSONField(default=list, help_text="event types it may send, e.g. [\"upstream.ready\"]")
+    task_types = models.JSONField(default=list, help_text="task types it may post to, e.g. [\"demo.pipeline\"]")
+    priority_ceiling = models.PositiveSmallIntegerField(default=1, help_text="the most urgent priority it may ask for")
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self):
+        return self.name
+
+
 class IdempotencyRecord(models.Model):
     """Results of side effects by idempotency key: consulted before performing one."""
 

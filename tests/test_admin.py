@@ -11,7 +11,7 @@ from django.urls import reverse
 from orchestrator.engine import inbox, services
 from orchestrator.models import (
     ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, InboundEvent,
-    Snapshot, Step, StepResult, Task, TaskEvent, WalEntry,
+    Snapshot, Step, StepResult, Task, TaskEvent, WalEntry, WebhookSource,
 )
 from review.models import ReviewItem
 from review.services import review_decide, review_open
@@ -50,6 +50,7 @@ def records(superuser):
     IdempotencyRecord.objects.create(key="key-1", tool="db.upsert", result={"ok": True})
     Snapshot.objects.create(task=task, version=1, step_id="stage-1", state={"plan": []})
     StepResult.objects.create(task=task, step_id="stage-1", data={"rows": list(range(10))})
+    WebhookSource.objects.create(name="crm", secrets=["whsec_x"], allowed_types=["upstream.ready"])
     inbox.send(task_id=task.pk, type="progress.external", payload={"message": "alpha from outside"}, source="system")
     ApiToken.objects.create(user=superuser, token_hash="f" * 64, prefix="orch_abcdefg")
     DemoSource.objects.create(id=1, amount="1.5")

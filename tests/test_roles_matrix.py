@@ -61,6 +61,8 @@ API_MATRIX = {
     ("get", "/api/reviews/{review_id}"): (READ, None),
     ("post", "/api/reviews/{review_id}/decide"): (REVIEW, "review.decide"),
 }
+# Endpoints authenticated by a signature instead of a user's role (tests/api/test_webhooks.py).
+SIGNED_NOT_ROLES = {("post", "/api/hooks/{source}/tasks/{task_id}/events")}
 # What an allowed call answers, by kind.
 API_OK = {READ: {200}, CREATE: {201}, CONTROL: {200, 409}, REVIEW: {200, 409}, SEND: {202}}
 
@@ -175,7 +177,7 @@ def test_every_api_endpoint_has_a_matrix_entry(client):
     schema = client.get("/api/openapi.json").json()
     operations = {(method.lower(), path) for path, methods in schema["paths"].items() for method in methods
                   if method.lower() in {"get", "post", "put", "patch", "delete"}}
-    missing = operations - set(API_MATRIX)
+    missing = operations - set(API_MATRIX) - set(SIGNED_NOT_ROLES)
     stale = set(API_MATRIX) - operations
     assert not missing, f"API endpoints without a roles-matrix entry (add them to API_MATRIX): {sorted(missing)}"
     assert not stale, f"API_MATRIX entries for endpoints that no longer exist: {sorted(stale)}"

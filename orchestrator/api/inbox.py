@@ -5,11 +5,11 @@ parses. (One router: the two methods of one path.)"""
 from datetime import datetime
 from typing import Any
 
-from ninja import Field, Query, Router, Schema, Status
+from ninja import Field, Path, Query, Router, Schema, Status
 from pydantic import field_validator
 
 from .. import roles
-from ..engine import inbox, services
+from ..engine import inbox, services, webhooks
 from ..models import InboundEvent, TaskEvent
 from .auth import require
 from .common import BODY, FOUND, MAX_ID, client_ip, get_task, id_param, responses
@@ -106,3 +106,16 @@ def task_inbox(request, task_id: int = id_param("a task id")):
     require(request, roles.VIEWER)
     task = get_task(task_id)
     return [inbound_out(e) for e in InboundEvent.objects.filter(task=task).order_by("-seq")[:500]]
+
+
+@router.post("/hooks/{source}/tasks/{task_id}/events", auth=None,
+             response=responses({202: InboundOut, 200: InboundOut}, FOUND, BODY,
+                                {401: ErrorOut, 403: ErrorOut, 409: ErrorOut, 429: ErrorOut}))
+def webhook_event(request, source: str = Path(..., max_length=60), task_id: int = id_param("a task id")):
+    """An event from an outside system, signed per Standard Webhooks (`webhook-id`,
+    `webhook-timestamp`, `webhook-signature`); the body is `{"type", "payload", "priority"?,
+    "merge_key"?}`. The source (admin: Webhook sources) says which types it may send, to which
+    task types, and how urgent. A bad signature: 401, audited, nothing created."""
+    sent = webhooks.receive(source_name=source, task_id=task_id, body=request.body,
+                            headers={k: v for k, v in request.headers.items()}, ip=client_ip(request))
+    return Status(200 if sent.duplicate else 202, inbound_out(sent.event, sent.duplicate))
