@@ -19,6 +19,9 @@ class TaskStatus(models.TextChoices):
     FAILED = "failed"
     AWAITING_REVIEW = "awaiting_review"
     NEEDS_HUMAN = "needs_human"
+    # A step waits for an event (ctx.wait_for): no worker is held; a matching event or
+    # the wait's timer (the sweeper) queues the task again.
+    WAITING = "waiting"
 
 
 class Task(models.Model):
@@ -62,6 +65,10 @@ class Task(models.Model):
     # to be consumed (the runner's supervisor polls it with the control column).
     inbox_seq = models.PositiveBigIntegerField(default=0)
     inbox_pending = models.PositiveIntegerField(default=0)
+    # Durable waits: [{"step", "type", "until"}] of the steps waiting for an event, and the
+    # earliest deadline (the sweeper wakes the task then; it survives restarts).
+    waiting_for = models.JSONField(default=list, blank=True)
+    waiting_until = models.DateTimeField(null=True, blank=True)
 
     # When the task was last handed to the broker; the sweeper re-enqueues a queued task
     # nobody claimed for ORCH_REQUEUE_AFTER_SECONDS (a lost broker message strands nothing).
@@ -88,6 +95,7 @@ class Task(models.Model):
             models.Index(fields=["status", "enqueued_at"], name="task_status_enqueued"),
             models.Index(fields=["recovering_since"], name="task_recovering_since",
                          condition=models.Q(recovering_since__isnull=False)),
+            models.Index(fields=["status", "waiting_until"], name="task_status_waiting_until"),
         ]
 
     def __str__(self):

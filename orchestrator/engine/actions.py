@@ -31,7 +31,7 @@ ROLE_VERBS = {"pause": "pause tasks", "resume": "resume tasks", "stop": "stop ta
               "edit": "edit a task's parameters", "rollback": "roll tasks back"}
 
 RESUMABLE = frozenset({S.PAUSED, S.NEEDS_HUMAN})
-PAUSABLE = frozenset({S.QUEUED, S.RUNNING})
+PAUSABLE = frozenset({S.QUEUED, S.RUNNING, S.WAITING})
 LIMIT_USAGE = {"max_steps": "steps_done", "max_tokens": "tokens_used", "max_seconds": "active_seconds"}
 
 
@@ -70,7 +70,7 @@ def _state_reason(task: Task, name: str, *, limits: dict | None) -> str:
         if control == "pause":
             return f"Task #{pk} is pausing already: it pauses at the next safe point."
         if status not in PAUSABLE:
-            return f"Task #{pk} is {status}; only a queued or running task can {VERBS[name]}."
+            return f"Task #{pk} is {status}; only a queued, running or waiting task can {VERBS[name]}."
     elif name == "stop":
         if status == S.STOPPING or control == "stop":
             return f"Task #{pk} is stopping already."

@@ -21,14 +21,15 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection, transaction
+from django.db.models import F
 from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
 from .. import telemetry
 from ..conf import harness
 from ..outage import retry_while_down
-from ..models import (IdempotencyRecord, InboundEvent, Snapshot, Step, StepResult, StepStatus, Task, TaskEvent,
-                      TaskStatus, WalEntry)
+from ..models import (IdempotencyRecord, InboundEvent, InboundState, Snapshot, Step, StepResult, StepStatus, Task,
+                      TaskEvent, TaskStatus, WalEntry)
 from . import snapshots, states, wal
 from .events import NOTIFY_CHANNEL, create_event, cross_process_layer, publish_hint
 from ..primitives.faults import armed as armed_faults, fault_point
@@ -218,17 +219,21 @@ class StepCommit:
     tokens_used: int = 0
     active_seconds: float = 0.0
     added: list = field(default_factory=list)  # StepSpecs the step added to the plan
+    consumed: dict = field(default_factory=dict)  # inbox event id -> outcome (taken by ctx.wait_for)
+    ends_wait: bool = False  # the step had waited: its entry leaves Task.waiting_for
 
 
 @telemetry.traced_checkpoint
 def commit_step(*, lease: Lease, plan: PlanState, step_id: str, result: Any, reads: list[str],
                 effects: list[wal.CompletedEffect], started_at: datetime, tokens_used: int = 0,
-                active_seconds: float = 0.0, added: list | None = None) -> int:
+                active_seconds: float = 0.0, added: list | None = None, consumed: dict | None = None,
+                ends_wait: bool = False) -> int:
     """Commit a finished step; returns the new checkpoint version. Raises LeaseLost.
 
     `plan` changes only once the commit is durable (a rolled-back commit leaves it as it was)."""
     fault_point("before_checkpoint", step_id)
-    commit = StepCommit(step_id, result, reads, effects, started_at, tokens_used, active_seconds, list(added or ()))
+    commit = StepCommit(step_id, result, reads, effects, started_at, tokens_used, active_seconds, list(added or ()),
+                        dict(consumed or {}), ends_wait)
     if commit.added:
         plan.validate_growth(step_id, commit.added)
     # The step's work (and its effects) happened: keep it until the database is back rather
@@ -255,8 +260,8 @@ def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
     version = plan.version + 1
     # One statement (and one round trip) unless this commit has more to write: a full
     # snapshot, added steps, a result stored apart, or an armed crash-test fault point.
-    simple = (connection.vendor == "postgresql" and not commit.added and not apart
-              and not snapshots.full_due(version) and not armed_faults())
+    simple = (connection.vendor == "postgresql" and not commit.added and not apart and not commit.consumed
+              and not commit.ends_wait and not snapshots.full_due(version) and not armed_faults())
     if simple:
         row = _commit_statement_postgresql(lease, plan, commit, encoded, now, delta=True)
         if row is None:
@@ -278,6 +283,8 @@ def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
                 result_stored_apart=True, result_bytes=len(encoded))
         if commit.added:
             _insert_added_steps(lease.task_id, plan, commit)
+        if commit.consumed or commit.ends_wait:
+            _settle_wait(lease.task_id, commit, row["checkpoint_version"])
         if commit.added or snapshots.full_due(row["checkpoint_version"]) or connection.vendor != "postgresql":
             _write_snapshot(lease.task_id, plan, commit, row)
         fault_point("mid_checkpoint", commit.step_id)  # crash tests: the whole checkpoint must vanish
@@ -398,6 +405,20 @@ def _commit_statements_sqlite(lease, plan, commit, encoded_result, now) -> dict:
                          "steps_total": row["steps_total"], "seconds": p["seconds"]}), now])
     wal.mark_done(commit.effects)
     return row
+
+
+def _settle_wait(task_id: int, commit: StepCommit, version: int) -> None:
+    """The events the step's wait took are consumed, and its wait is over (in the commit)."""
+    now = timezone.now()
+    for event_id, outcome in commit.consumed.items():
+        InboundEvent.objects.filter(pk=event_id, state=InboundState.PENDING).update(
+            state=InboundState.CONSUMED, outcome=outcome, consumed_at=now, consumed_in_version=version)
+    task = Task.objects.get(pk=task_id)
+    waits = [w for w in task.waiting_for if w.get("step") != commit.step_id]
+    deadlines = [w["until"] for w in waits if w.get("until")]
+    Task.objects.filter(pk=task_id).update(
+        waiting_for=waits, waiting_until=min(deadlines) if deadlines else None,
+        inbox_pending=F("inbox_pending") - len(commit.consumed))
 
 
 def _insert_added_steps(task_id: int, plan: PlanState, commit: StepCommit) -> None:

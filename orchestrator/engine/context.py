@@ -3,18 +3,20 @@ cancellation token, effect() through the WAL, and helpers that obey the token.""
 import logging
 import subprocess
 import threading
+from datetime import datetime, timedelta
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
 from django.db import transaction
+from django.utils import timezone
 from pydantic import BaseModel
 
 from .. import telemetry
 from ..tools.http import http_call
 from ..tools.llm import stream_completion
 from ..tools.shell import run_in_group
-from . import wal
+from . import inbox, wal
 from ..primitives.cancellation import CancellationToken
 from .lease import Lease
 from .events import append_event
@@ -29,6 +31,19 @@ class LimitExceeded(Exception):
         self.limit = limit
 
 log = logging.getLogger(__name__)
+
+
+class WaitForEvent(Exception):
+    """Raised by ctx.wait_for when the event has not arrived: the runner parks the task in
+    `waiting` (no worker held) until it does or the deadline passes; the step runs again then."""
+
+    def __init__(self, event_type: str, until: datetime | None):
+        super().__init__(f"waiting for {event_type}" + (f" until {until.isoformat()}" if until else ""))
+        self.event_type, self.until = event_type, until
+
+
+class WaitTimedOut(TimeoutError):
+    """ctx.wait_for's deadline passed before the event came (the step may catch it)."""
 
 
 class TrackedParams:
@@ -74,6 +89,9 @@ class StepContext:
         # Steps this step adds to the plan: committed with its checkpoint, so a crash
         # before it leaves none of them and the re-run adds them again.
         self.added_steps: list = []
+        # Inbox events this step took (ctx.wait_for), by id, with their outcome: marked
+        # consumed in the step's checkpoint transaction (exactly once).
+        self.consumed_events: dict[int, str] = {}
         self.tokens_used = 0
         self._runner = runner
         self._call_index = 0
@@ -89,6 +107,24 @@ class StepContext:
         return wal.perform(lease=self.lease, step_id=self.step_id, call_index=call_index, tool_name=tool,
                            args=args, token=self.token, completed=self.completed_effects,
                            generation=self.generation)
+
+    def wait_for(self, event_type: str, *, timeout: float | None = None) -> dict:
+        """The payload of the next `event_type` event sent into the task (see the type's
+        `awaited_event_types`). If it already arrived, at once; otherwise the task waits in
+        `waiting`, holding no worker, and this step runs again when it comes (its code up to
+        here should be pure or through ctx.effect). `timeout` (seconds, from the first wait,
+        kept across restarts): then WaitTimedOut is raised instead."""
+        self.token.raise_if_cancelled()
+        event = inbox.awaited_arrived(self.task_id, event_type)
+        if event is not None and event.pk not in self.consumed_events:
+            self.consumed_events[event.pk] = f"received by the wait of step {self.step_id}"
+            return event.payload
+        recorded = (self._runner.recorded_wait(self.step_id, event_type) if self._runner is not None else None)
+        until = recorded if recorded is not None else (
+            timezone.now() + timedelta(seconds=timeout) if timeout is not None else None)
+        if until is not None and timezone.now() >= until:
+            raise WaitTimedOut(f"no {event_type} event came before {until.isoformat()}")
+        raise WaitForEvent(event_type, until)
 
     def add_steps(self, *specs) -> None:
         """Grow the plan: `specs` (StepSpec) join the task when this step commits. They may

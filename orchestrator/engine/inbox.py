@@ -40,7 +40,7 @@ from ..conf import harness
 from ..models import InboundEvent, InboundState, Task, TaskStatus as S
 from ..notifications import notify_needs_human
 from ..tasktypes import get_type
-from . import states
+from . import scheduler, states
 from .audit import audit
 from .events import append_event
 
@@ -141,8 +141,10 @@ def source_kind(source: str) -> str:
 
 def accepted_types(task_type) -> tuple[str, ...]:
     """The event types a task of `task_type` takes: the controls and the information types,
-    plus those its type handles (TaskType.event_types)."""
-    return (*CONTROL_TYPES, "upstream.ready", "progress.external", *getattr(task_type, "event_types", ()))
+    plus those its type handles (TaskType.event_types) or its steps wait for
+    (TaskType.awaited_event_types)."""
+    return (*CONTROL_TYPES, "upstream.ready", "progress.external", *getattr(task_type, "event_types", ()),
+            *getattr(task_type, "awaited_event_types", ()))
 
 
 def digest(payload: dict) -> str:
@@ -233,7 +235,11 @@ def send(*, task_id: int, type: str, payload: dict | None = None, priority=None,
             audit(action="task.event", actor=actor, ip=ip, task=task,
                   after={"seq": event.seq, "type": type, "priority": priority, "source": source,
                          "source_event_id": source_event_id})
-            if task.inbox_pending >= harness.inbox["pause_at"] and task.status in (S.RUNNING, S.QUEUED):
+            if task.status == S.WAITING and any(w.get("type") == type for w in task.waiting_for):
+                # What a step waits for arrived: the task runs again and the wait takes it.
+                states.transition(task, S.QUEUED, reason=f"woken by event #{event.seq} ({type})")
+                scheduler.enqueue(task.pk)
+            elif task.inbox_pending >= harness.inbox["pause_at"] and task.status in (S.RUNNING, S.QUEUED):
                 _pause_for_backlog(task)
     if raise_later is not None:
         raise raise_later
@@ -335,17 +341,25 @@ class Applied:
     state: str = InboundState.CONSUMED
 
 
-def due(task_id: int, now: datetime) -> list[InboundEvent]:
+def due(task_id: int, now: datetime, awaited: tuple[str, ...] = ()) -> list[InboundEvent]:
     """The events a resume point consumes: pending, visible, not controls (those act through
-    the control column), most urgent first, in seq order within a priority."""
+    the control column) nor types the task's steps wait for (the wait takes those), most
+    urgent first, in seq order within a priority."""
     return list(InboundEvent.objects.filter(task_id=task_id, state=InboundState.PENDING, visible_at__lte=now)
-                .exclude(type__in=CONTROL_TYPES).order_by("priority", "seq")[:CONSUMED_PER_RESUME_POINT])
+                .exclude(type__in=(*CONTROL_TYPES, *awaited)).order_by("priority", "seq")[:CONSUMED_PER_RESUME_POINT])
 
 
-def next_visible(task_id: int) -> datetime | None:
+def next_visible(task_id: int, awaited: tuple[str, ...] = ()) -> datetime | None:
     """When the next pending (merging) event becomes visible."""
-    return (InboundEvent.objects.filter(task_id=task_id, state=InboundState.PENDING).exclude(type__in=CONTROL_TYPES)
+    return (InboundEvent.objects.filter(task_id=task_id, state=InboundState.PENDING)
+            .exclude(type__in=(*CONTROL_TYPES, *awaited))
             .order_by("visible_at").values_list("visible_at", flat=True).first())
+
+
+def awaited_arrived(task_id: int, event_type: str, now: datetime | None = None) -> InboundEvent | None:
+    """The oldest visible pending event of `event_type` (what a waiting step takes)."""
+    return (InboundEvent.objects.filter(task_id=task_id, type=event_type, state=InboundState.PENDING,
+                                        visible_at__lte=now or timezone.now()).order_by("seq").first())
 
 
 def apply(task_type, event: InboundEvent, now: datetime) -> Applied:

@@ -53,8 +53,26 @@ def sweep() -> list[int]:
         if recover_task(task_id):
             recovered.append(task_id)
     give_up_slow_recoveries()
+    wake_expired_waits()
     requeue_unclaimed()
     return recovered
+
+
+def wake_expired_waits(now=None) -> list[int]:
+    """Waiting tasks whose wait's deadline passed: queued again (the step then gets
+    WaitTimedOut). The deadline is in the database, so it survives any restart."""
+    now = now or timezone.now()
+    woken = []
+    for task_id in Task.objects.filter(status=S.WAITING, waiting_until__lte=now).values_list("pk", flat=True)[:500]:
+        with transaction.atomic():
+            task = states.lock_task(task_id)
+            if task.status != S.WAITING or not task.waiting_until or task.waiting_until > now:
+                continue
+            states.transition(task, S.QUEUED, reason="the wait's deadline passed")
+            scheduler.enqueue(task.pk)
+        woken.append(task_id)
+        log.info("wait timed out: re-queued", extra={"task_id": task_id, "resume_strategy": "wait_timed_out"})
+    return woken
 
 
 def requeue_unclaimed(now=None) -> list[int]:

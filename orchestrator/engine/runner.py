@@ -29,7 +29,7 @@ from ..models import InboundState, Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
 from . import checkpoint, inbox, lease as leases, results, scheduler, states, wal
 from ..primitives.cancellation import CancellationToken, Cancelled
-from .context import LimitExceeded, StepContext
+from .context import LimitExceeded, StepContext, WaitForEvent
 from .lease import Lease, LeaseLost
 from .wal import AmbiguousEffect, EffectFailed
 from .events import append_event
@@ -187,6 +187,10 @@ class Runner:
         self.inbox_signal = 0
         self.inbox_consumed_at = -1
         self.inbox_next_at = None
+        # Durable waits: those recorded on the task (deadlines kept across runs), and the
+        # steps that asked to wait in this run (the task goes `waiting` when nothing else runs).
+        self.waits: dict[str, dict] = {}
+        self.parked: dict[str, dict] = {}
 
     # --- signals from the supervisor ------------------------------------------------
     def request(self, control: str) -> bool:
@@ -228,6 +232,8 @@ class Runner:
         self.task_type = task_type
         self.limits = {**harness.default_limits, **task.limits}
         self.base_active_seconds, self.base_tokens = task.active_seconds, task.tokens_used
+        self.waits = {w["step"]: w for w in task.waiting_for or [] if isinstance(w, dict) and w.get("step")}
+        self.awaited = tuple(getattr(task_type, "awaited_event_types", ()))
         self.inbox_signal = task.inbox_seq
         self.inbox_consumed_at = -1 if task.inbox_pending else task.inbox_seq  # events sent while it waited
         try:
@@ -289,7 +295,7 @@ class Runner:
     def consume_inbox(self) -> None:
         """Apply the pending inbox events (P1 and below) as one checkpoint (checkpoint.commit_events)."""
         signal, now = self.inbox_signal, timezone.now()
-        events = inbox.due(self.lease.task_id, now)
+        events = inbox.due(self.lease.task_id, now, self.awaited)
         consumed, accepted = [], []
         for event in events:
             applied = inbox.apply(self.task_type, event, now)
@@ -309,9 +315,16 @@ class Runner:
             log.info("inbox: %d event(s) consumed", len(consumed), extra={"task_id": self.lease.task_id})
         self.inbox_consumed_at = signal
         self.inbox_next_at = None if len(events) == inbox.CONSUMED_PER_RESUME_POINT else inbox.next_visible(
-            self.lease.task_id)
+            self.lease.task_id, self.awaited)
         if len(events) == inbox.CONSUMED_PER_RESUME_POINT:
             self.inbox_consumed_at = -1  # more are waiting: the next resume point takes them
+
+    def recorded_wait(self, step_id: str, event_type: str) -> datetime | None:
+        """The deadline of `step_id`'s wait for `event_type`, if an earlier run recorded one."""
+        wait = self.waits.get(step_id)
+        if not wait or wait.get("type") != event_type or not wait.get("until"):
+            return None
+        return datetime.fromisoformat(wait["until"])
 
     def grace_expired(self) -> bool:
         if self.control == "terminate":
@@ -408,6 +421,13 @@ class Runner:
             if ctx.completed_effects and not self.lease_lost:
                 self.record_failure(flight, "cancelled", retrying=True)
             return
+        except WaitForEvent as wait:
+            # Not a failure: the step runs again when the event comes (or its deadline passes).
+            self.parked[step_id] = {"step": step_id, "type": wait.event_type,
+                                    "until": wait.until.isoformat() if wait.until else None}
+            if ctx.completed_effects:  # effects before the wait did happen: commit their `done`
+                self.record_failure(flight, str(wait), retrying=True)
+            return
         except LimitExceeded as exc:
             # Not the step's fault: it runs again after the limit is raised and the task resumed.
             self.limit_hit = exc.limit
@@ -444,7 +464,8 @@ class Runner:
             version = checkpoint.commit_step(
                 lease=self.lease, plan=self.plan, step_id=step_id, result=result,
                 reads=ctx.params.keys_read, effects=ctx.completed_effects, started_at=flight.started_at,
-                tokens_used=ctx.tokens_used, active_seconds=self.take_active_seconds(), added=ctx.added_steps)
+                tokens_used=ctx.tokens_used, active_seconds=self.take_active_seconds(), added=ctx.added_steps,
+                consumed=ctx.consumed_events, ends_wait=step_id in self.waits)
         except LeaseLost:
             log.warning("lease lost: step result discarded", extra=extra)
             self.lose_lease()
@@ -560,6 +581,16 @@ class Runner:
         if limit:
             states.transition(task, S.PAUSED, reason=f"limit: {limit}", paused_by_limit=limit, **released)
             return S.PAUSED
+        if (self.parked and not self.plan.has_ready() and not self.waiting_for_retry()
+                and not any(inbox.awaited_arrived(task.pk, w["type"]) for w in self.parked.values())):
+            # Nothing else to run and the awaited events have not come (checked with the row
+            # locked: a sender that comes later sees `waiting` and wakes the task).
+            waits = list(self.parked.values())
+            deadlines = [w["until"] for w in waits if w["until"]]
+            what = ", ".join(f"{w['step']} waits for {w['type']}" for w in waits)
+            states.transition(task, S.WAITING, reason=what[:500], waiting_for=waits,
+                              waiting_until=min(deadlines) if deadlines else None, **released)
+            return S.WAITING
         # Time slice used up, or nothing runnable right now: hand the task to the next
         # worker through the queue (it keeps status running; the lease is released).
         task.lease_owner = ""

@@ -19,7 +19,9 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     S.QUEUED: frozenset({S.RUNNING, S.PAUSED, S.STOPPED, S.TERMINATED, S.NEEDS_HUMAN, S.AWAITING_REVIEW}),
     # running -> queued: a recovered or time-sliced task waits for the next worker.
     S.RUNNING: frozenset({S.COMPLETED, S.FAILED, S.PAUSING, S.PAUSED, S.STOPPING, S.STOPPED,
-                          S.TERMINATED, S.AWAITING_REVIEW, S.NEEDS_HUMAN, S.QUEUED}),
+                          S.TERMINATED, S.AWAITING_REVIEW, S.NEEDS_HUMAN, S.QUEUED, S.WAITING}),
+    # waiting -> queued: the awaited event arrived, or the wait's timer fired.
+    S.WAITING: frozenset({S.QUEUED, S.PAUSED, S.STOPPED, S.TERMINATED}),
     S.PAUSING: frozenset({S.PAUSED, S.STOPPING, S.STOPPED, S.TERMINATED, S.COMPLETED, S.FAILED,
                           S.AWAITING_REVIEW, S.NEEDS_HUMAN, S.QUEUED}),
     S.PAUSED: frozenset({S.QUEUED, S.STOPPED, S.TERMINATED}),

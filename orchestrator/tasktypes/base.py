@@ -54,6 +54,8 @@ class TaskType:
     # Event types (engine/inbox.py REGISTRY) this type acts on at a resume point, beyond the
     # operator controls and the information types every task takes; handle_event decides.
     event_types: ClassVar[tuple[str, ...]] = ()
+    # Event types its steps wait for (ctx.wait_for): accepted, and left for the wait to take.
+    awaited_event_types: ClassVar[tuple[str, ...]] = ()
 
     def handle_event(self, event) -> "Applied":
         """Apply one inbox event of `event_types` (an InboundEvent) at a resume point:

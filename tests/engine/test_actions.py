@@ -90,7 +90,7 @@ def test_the_services_enforce_it_with_the_same_reason(operator, viewer):
         services.task_pause(task_id=done.pk, actor=operator)
     assert str(refused.value) == actions.check(done, "pause", operator).reason
     needs_human = make_task("needs_human")
-    with pytest.raises(InvalidTransition, match="only a queued or running task can be paused"):
+    with pytest.raises(InvalidTransition, match="only a queued, running or waiting task can be paused"):
         services.task_pause(task_id=needs_human.pk)
     with pytest.raises(InvalidTransition, match="Only operators can stop tasks"):
         services.task_stop(task_id=needs_human.pk, actor=viewer)

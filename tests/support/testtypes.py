@@ -292,3 +292,35 @@ class Long(TaskType):
         if index >= ctx.params.steps // 2:
             return index * ctx.params.factor
         return index
+
+
+class ApprovalParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    timeout: float | None = 60.0
+    amount: int = 100
+
+
+@register
+class Approval(TaskType):
+    """prepare -> await (waits for approval.decided) -> finish: a durable wait."""
+
+    name = "test.approval"
+    Params = ApprovalParams
+    awaited_event_types = ("approval.decided",)
+
+    def plan(self, params):
+        return [StepSpec("prepare"), StepSpec("await", depends_on=("prepare",)),
+                StepSpec("finish", depends_on=("await",))]
+
+    def run_step(self, ctx, step_id):
+        from orchestrator.engine.context import WaitTimedOut
+
+        if step_id == "prepare":
+            return {"amount": ctx.params.amount}
+        if step_id == "await":
+            try:
+                decision = ctx.wait_for("approval.decided", timeout=ctx.params.timeout)
+            except WaitTimedOut:
+                return {"approved": False, "note": "no decision in time"}
+            return {"approved": decision["approved"], "note": decision.get("note", "")}
+        return "paid" if ctx.deps["await"]["approved"] else "not paid"
