@@ -71,7 +71,8 @@ def test_operator_creates_a_task_and_the_page_follows_it_live(stack, new_page, m
     make_user("olga", "operator")
     page = new_page("olga")
     page.goto("/tasks/new/?type=demo.migrate_rows")
-    page.fill('[name="params.rows"]', "6000")  # 61 steps: long enough to watch
+    # 151 steps: long enough to watch (a batch of 100 rows commits in a few milliseconds)
+    page.fill('[name="params.rows"]', "15000")
     page.fill('[name="params.batch_size"]', "100")
     page.fill('[name="params.rate"]', "2")
     page.locator("details.limits > summary").click()
@@ -80,7 +81,7 @@ def test_operator_creates_a_task_and_the_page_follows_it_live(stack, new_page, m
     page.wait_for_url(re.compile(r"/tasks/\d+/$"))
     task_id = int(re.search(r"/tasks/(\d+)/$", page.url).group(1))
     task = in_thread(Task.objects.get, pk=task_id)
-    assert task.params == {"rows": 6000, "batch_size": 100, "rate": 2.0} and task.limits["max_subtasks"] == 1
+    assert task.params == {"rows": 15000, "batch_size": 100, "rate": 2.0} and task.limits["max_subtasks"] == 1
 
     # Queued, no steps yet, every control an operator has for a queued task.
     expect(header_badge(page)).to_have_text("queued")
@@ -96,16 +97,16 @@ def test_operator_creates_a_task_and_the_page_follows_it_live(stack, new_page, m
     expect(header_badge(page)).to_have_text("completed", timeout=LIVE)
     expect(header_badge(page)).to_have_class(re.compile(r"\bstatus-completed\b"))
     progress = page.get_by_test_id("task-header").get_by_test_id("progress")
-    expect(progress.locator(".progress-label")).to_have_text("61/61 · 100%")
+    expect(progress.locator(".progress-label")).to_have_text("151/151 · 100%")
     expect(progress.locator(".progress-bar")).to_have_attribute("data-percent", "100")  # width: app.css
-    expect(page.locator('[data-testid="step-row"][data-status="done"]')).to_have_count(61)
+    expect(page.locator('[data-testid="step-row"][data-status="done"]')).to_have_count(151)
     # The timeline followed too: a bar per step, all done.
-    expect(page.locator('[data-testid="timeline-bar"][data-status="done"]')).to_have_count(61)
-    expect(page.get_by_test_id("step-row")).to_have_count(61)
+    expect(page.locator('[data-testid="timeline-bar"][data-status="done"]')).to_have_count(151)
+    expect(page.get_by_test_id("step-row")).to_have_count(151)
     expect(page.get_by_test_id("status-reason")).to_have_text("all steps done")
-    expect(page.locator('[data-live="steps"]')).to_have_text("61 / 61")
+    expect(page.locator('[data-live="steps"]')).to_have_text("151 / 151")
     effects = in_thread(lambda: WalEntry.objects.filter(task_id=task_id, status="done").count())
-    assert effects >= 61  # one per batch, and the source rows seeded in chunks
+    assert effects >= 151  # one per batch, and the source rows seeded in chunks
     expect(page.locator('[data-testid="wal-row"][data-status="done"]')).to_have_count(effects)
 
     # A finished task has no controls: hidden, with the server's note.
@@ -124,7 +125,7 @@ def test_operator_creates_a_task_and_the_page_follows_it_live(stack, new_page, m
     # in one jump at the end.
     seen = page.evaluate("window.__seen")
     progress = [done for status, done, rows in seen if status == "running"]
-    assert len({d for d in progress if 0 < d < 61}) >= 5, f"steps did not progress live while running: {seen}"
+    assert len({d for d in progress if 0 < d < 151}) >= 5, f"steps did not progress live while running: {seen}"
 
 
 def test_task_list_rows_follow_tasks_live(stack, new_page, make_user):

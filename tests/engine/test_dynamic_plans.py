@@ -231,12 +231,20 @@ def test_a_large_result_is_stored_apart_and_loaded_only_by_a_run_that_needs_it(s
 
 def test_an_edit_on_a_10000_step_task_keeps_the_first_half(settings):
     task = run(services.task_create(type="test.long", params={"steps": 10_000},
-                                    limits={"max_steps": 8_000, "max_subtasks": 1}).pk)
-    assert task.status == "paused" and task.steps_done == 8_000
-    preview = edit(task.pk, factor=3)
-    assert len(preview.kept) == 5_000 and len(preview.rerun) == 3_000
-    task = run(task.pk)
-    assert task.status == "completed", task.status_reason
-    assert Step.objects.get(task=task, step_id="s09999").result == 9_999 * 3
+                                    limits={"max_steps": 5_005, "max_subtasks": 1}).pk)
+    assert task.status == "paused" and task.steps_done == 5_005
+    task = Task.objects.get(pk=task.pk)
+    new = services.validate_params(task.type, {**task.params, "factor": 3})
+    preview = revisions.preview_edit(task, new)[0]
+    assert len(preview.kept) == 5_000 and preview.rerun == [f"s{i:05d}" for i in range(5_000, 5_005)]
+    assert len(preview.pending) == 5_000
+    revisions.apply_edit(task_id=task.pk, new_params=new, expected_version=task.event_seq,
+                         limits={"max_steps": 5_010})
+    task = run(task.pk)  # continues from the kept half: ten more steps, then the limit pauses it again
+    assert task.status == "paused" and task.steps_done == 5_010
+    assert Step.objects.get(task=task, step_id="s05009").result == 5_009 * 3
+    assert Step.objects.get(task=task, step_id="s05004").generation == 1  # re-run: new keys
+    assert Step.objects.get(task=task, step_id="s05009").generation == 0  # never ran before
     assert Step.objects.get(task=task, step_id="s04999").result == 4_999
+    assert Step.objects.filter(task=task, status="done").count() == 5_010
     assert Snapshot.objects.filter(task=task).count() == settings.ORCH_SNAPSHOT_KEEP
