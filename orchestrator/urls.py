@@ -13,6 +13,7 @@ urlpatterns = [
     path("tasks/<int:task_id>/", tasks.task_detail, name="task_detail"),
     path("tasks/<int:task_id>/control/", tasks.task_control, name="task_control"),
     path("tasks/<int:task_id>/skip-step/", tasks.task_skip_step, name="task_skip_step"),
+    path("tasks/<int:task_id>/send/", tasks.task_send_event, name="task_send_event"),
     path("tasks/<int:task_id>/edit/", revisions.task_edit, name="task_edit"),
     path("tasks/<int:task_id>/clone/", revisions.task_clone, name="task_clone"),
     path("tasks/<int:task_id>/rollback/<int:version>/", revisions.task_rollback, name="task_rollback"),

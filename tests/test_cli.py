@@ -134,3 +134,27 @@ def test_rollback_dry_run_then_apply(capsys):
         call_command("tasks", "rollback", str(task_id), "--version", "2")
     with pytest.raises(CommandError, match="no task #4242"):
         call_command("tasks", "rollback", "4242", "--version", "1")
+
+
+@pytest.mark.django_db
+def test_send_puts_an_event_in_the_inbox_and_explains_a_refusal(settings):
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    from orchestrator.engine import services
+    from orchestrator.models import InboundEvent
+
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+    task = services.task_create(type="test.growing", params={})
+    out = StringIO()
+    call_command("tasks", "send", str(task.pk), "user.message", "--payload", '{"text": "hi"}', "--source-event-id",
+                 "cli-1", stdout=out)
+    assert f"task #{task.pk}: event #1 user.message P1 pending" in out.getvalue()
+    call_command("tasks", "send", str(task.pk), "user.message", "--payload", '{"text": "hi"}', "--source-event-id",
+                 "cli-1", stdout=out)
+    assert "a repeat" in out.getvalue() and InboundEvent.objects.count() == 1
+    with pytest.raises(CommandError, match="refused \\(422\\).*payload.text"):
+        call_command("tasks", "send", str(task.pk), "user.message", "--payload", "{}")
+    with pytest.raises(CommandError, match="not JSON"):
+        call_command("tasks", "send", str(task.pk), "user.message", "--payload", "{nope")

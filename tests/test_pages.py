@@ -425,3 +425,27 @@ def test_the_task_page_lists_the_inbox_with_outcomes(client, operator, task):
     table = body.split('data-testid="inbox-table"', 1)[1].split("</table>", 1)[0]
     assert 'data-testid="inbox-row" data-seq="1" data-state="consumed"' in table
     assert "pause" in table and "applied at once" in table
+
+
+@pytest.mark.django_db
+def test_an_operator_sends_a_message_from_the_task_page_and_a_double_click_is_one_event(client, operator,
+                                                                                       settings):
+    from orchestrator.engine import services as engine_services
+    from orchestrator.models import InboundEvent
+
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+    task = engine_services.task_create(type="test.growing", params={})
+    client.force_login(operator)
+    page = client.get(detail_url(task.pk)).content.decode()
+    form = page.split('data-testid="send-event-form"', 1)[1].split("</form>", 1)[0]
+    assert '<option value="user.message">' in form and '<option value="pause">' not in form
+    event_id = form.split('name="source_event_id" value="', 1)[1].split('"', 1)[0]
+    body = {"type": "user.message", "text": "please hurry", "source_event_id": event_id}
+    first = client.post(f"/tasks/{task.pk}/send/", body, follow=True)
+    assert "sent: the task applies it at its next resume point" in first.content.decode()
+    again = client.post(f"/tasks/{task.pk}/send/", body, follow=True)
+    assert "was sent already" in again.content.decode()
+    assert list(InboundEvent.objects.filter(task=task).values_list("type", "payload")) == [
+        ("user.message", {"text": "please hurry"})]
+    bad = client.post(f"/tasks/{task.pk}/send/", {"type": "instruction", "payload": "{nope"}, follow=True)
+    assert "Not sent: the payload is not JSON" in bad.content.decode()

@@ -6,7 +6,7 @@ from datetime import datetime, timezone as dt_timezone
 from django.utils import timezone
 
 from .. import roles
-from ..engine import actions as task_actions, snapshots, states
+from ..engine import actions as task_actions, inbox, snapshots, states
 from ..models import Task
 from ..tasktypes import all_types
 from .snapshots import snapshot_history
@@ -69,6 +69,10 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
         "events_shown": EVENTS_SHOWN,
         "audit": list(task.audit_entries.select_related("actor").all()[:AUDIT_SHOWN]),
         "inbox": list(task.inbox.order_by("-seq")[:INBOX_SHOWN]),
+        "sendable_types": sendable_types(task),
+        # The same id until the inbox moves on: a double click sends one event (the inbox
+        # dedupes it); once the event is in, the page re-renders with the next id.
+        "send_event_id": f"page-{getattr(user, 'pk', 0)}-{task.pk}-{task.inbox_seq}",
         "can_operate": roles.OPERATOR in roles.user_roles(user) if user is not None else False,
         "actions": verdicts,
         "allowed_actions": " ".join(name for name, verdict in verdicts.items() if verdict.allowed),
@@ -76,6 +80,15 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
         "skippable_steps": task_actions.skippable_steps(task) if verdicts["skip_step"].allowed else [],
         "is_terminal": task.status in states.TERMINAL,
     }
+
+
+def sendable_types(task: Task) -> list[str]:
+    """The event types an operator can send this task from its page (not the controls,
+    which have their buttons)."""
+    found = all_types().get(task.type)
+    if found is None or task.status in states.TERMINAL:
+        return []
+    return [name for name in inbox.accepted_types(found) if name not in inbox.CONTROL_TYPES]
 
 
 def with_running(task: Task, steps: list) -> list:

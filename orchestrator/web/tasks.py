@@ -1,9 +1,10 @@
 """The task pages: the task list, the create form, the task page and its controls (pause,
-stop, force-terminate, resume, skip a step).
+stop, force-terminate, resume, skip a step, send an event).
 
 Thin, like the API: views read through selectors, write through engine.services, and
 check roles (orchestrator.roles). Every page needs a logged-in user with a role.
 """
+import json
 from urllib.parse import urlencode
 
 from django.contrib import messages
@@ -14,7 +15,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from .. import selectors
-from ..engine import services, states
+from ..engine import inbox, services, states
 from ..models import Task, TaskStatus
 from ..presenters.task_page import task_page_context, with_type_titles
 from .access import client_ip, get_task, require_operator, task_types, viewer_required
@@ -153,3 +154,35 @@ def task_skip_step(request, task_id: int):
         also = f" (and {len(skipped) - 1} step(s) that depend on it)" if len(skipped) > 1 else ""
         messages.success(request, f"Task #{task.pk}: step {step_id} skipped{also}; the task continues.")
     return redirect("task_detail", task_id=task.pk)
+
+
+@require_POST
+@viewer_required
+def task_send_event(request, task_id: int):
+    """The task page's "send an event" form: an event into the task's inbox (engine/inbox.py)."""
+    require_operator(request)
+    task = get_task(task_id)
+    back = reverse("task_detail", kwargs={"task_id": task.pk}) + "#task-inbox"
+    type_name = request.POST.get("type", "").strip()
+    raw = request.POST.get("payload", "").strip()
+    text = request.POST.get("text", "").strip()
+    try:
+        payload = json.loads(raw) if raw else ({"text": text} if text else {})
+    except json.JSONDecodeError as exc:
+        messages.error(request, f"Not sent: the payload is not JSON ({exc.msg} at character {exc.pos}).")
+        return redirect(back)
+    if not isinstance(payload, dict):
+        messages.error(request, "Not sent: the payload must be a JSON object, e.g. {\"text\": \"...\"}.")
+        return redirect(back)
+    try:
+        sent = inbox.send(task_id=task.pk, type=type_name, payload=payload, priority=request.POST.get("priority") or None,
+                          source="operator", actor=request.user, ip=client_ip(request),
+                          source_event_id=request.POST.get("source_event_id", ""))
+    except inbox.InboxRefused as exc:
+        messages.error(request, f"Not sent: {exc}")
+    else:
+        event = sent.event
+        messages.success(request, f"Event #{event.seq} ({event.type}) was sent already." if sent.duplicate else
+                         f"Event #{event.seq} ({event.type}, P{event.priority}) sent: the task applies it at its next "
+                         f"resume point.")
+    return redirect(back)

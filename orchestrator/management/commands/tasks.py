@@ -1,4 +1,5 @@
 """`manage.py tasks create TYPE --param k=v ... | list | show ID | pause|resume|stop|terminate ID`,
+`tasks send ID TYPE --payload '{...}' [--priority P1]` (an event into the task's inbox),
 plus revising a paused task: `tasks resume ID --param k=v ... [--limit k=v] [--dry-run]` (edit
 its params and resume) and `tasks rollback ID --version N [--dry-run]`."""
 import json
@@ -6,7 +7,7 @@ import json
 from django.core.management.base import BaseCommand, CommandError
 
 from orchestrator import selectors
-from orchestrator.engine import revisions, services
+from orchestrator.engine import inbox, revisions, services
 from orchestrator.engine.states import InvalidTransition
 from orchestrator.models import Task
 from orchestrator.tasktypes import all_types
@@ -60,6 +61,13 @@ class Command(BaseCommand):
         skip.add_argument("id", type=int)
         skip.add_argument("--step", required=True, help="the step id (see `show`)")
         skip.add_argument("--reason", required=True, help="why the task can go on without it")
+        send = sub.add_parser("send", help="send an event into a task (its inbox): user.message, instruction, ...")
+        send.add_argument("id", type=int)
+        send.add_argument("type", help="an event type: " + ", ".join(inbox.REGISTRY))
+        send.add_argument("--payload", default="{}", help="the payload as a JSON object")
+        send.add_argument("--priority", default=None, help="0-4 or P0-P4 (default: the type's)")
+        send.add_argument("--source-event-id", default="", help="your id for it: a repeat is answered, not re-sent")
+        send.add_argument("--merge-key", default="")
         rollback = sub.add_parser("rollback", help="roll a paused task back to a snapshot version and resume")
         rollback.add_argument("id", type=int)
         rollback.add_argument("--version", type=int, required=True, help="a kept snapshot version (see `show`)")
@@ -97,6 +105,9 @@ class Command(BaseCommand):
             except (InvalidTransition, Task.DoesNotExist) as exc:
                 raise CommandError(str(exc) or f"There is no task #{opts['id']}.") from None
             self.stdout.write(f"task #{opts['id']}: skipped {', '.join(skipped)}; queued")
+        elif action == "send":
+            self.send(opts["id"], opts["type"], payload=opts["payload"], priority=opts["priority"],
+                      source_event_id=opts["source_event_id"], merge_key=opts["merge_key"])
         elif action == "rollback":
             self.rollback(opts["id"], version=opts["version"], dry_run=opts["dry_run"],
                           repeat_effects=opts["repeat_effect"])
@@ -130,6 +141,27 @@ class Command(BaseCommand):
         for step in out.steps:
             took = f"{step.duration_seconds:.2f}s" if step.duration_seconds is not None else ""
             self.stdout.write(f"  {step.id:<24} {step.status:<8} attempts={step.attempts} {took}")
+
+    def send(self, task_id: int, type_name: str, *, payload: str, priority, source_event_id: str,
+             merge_key: str) -> None:
+        try:
+            body = json.loads(payload)
+        except json.JSONDecodeError as exc:
+            raise CommandError(f"--payload is not JSON ({exc}): give an object, e.g. '{{\"text\": \"hi\"}}'") from None
+        if not isinstance(body, dict):
+            raise CommandError("--payload must be a JSON object, e.g. '{\"text\": \"hi\"}'")
+        self._task(task_id)
+        if type_name in CONTROLS:
+            raise CommandError(f"{type_name} is an operator control: use `tasks {type_name} {task_id}`")
+        try:
+            sent = inbox.send(task_id=task_id, type=type_name, payload=body, priority=priority, source="operator",
+                              source_event_id=source_event_id, merge_key=merge_key)
+        except inbox.InboxRefused as exc:
+            retry = f" (retry after {exc.retry_after} s)" if exc.retry_after else ""
+            raise CommandError(f"refused ({exc.status}): {exc}{retry}") from None
+        event = sent.event
+        self.stdout.write(f"task #{task_id}: event #{event.seq} {event.type} P{event.priority} {event.state}"
+                          + (" (a repeat: the first event)" if sent.duplicate else ""))
 
     # --- revisions of a paused task ----------------------------------------------------------
 
