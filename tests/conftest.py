@@ -123,7 +123,9 @@ class WorkerCluster(ManagedProcess):
 
 def process_env(**overrides) -> dict:
     """The environment of a process a test starts: the test database, fast heartbeats."""
-    return {**os.environ, "DATABASE_URL": database_url(), "ORCH_HEARTBEAT_SECONDS": "0.5",
+    return {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.support.settings",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])),
+            "DATABASE_URL": database_url(), "ORCH_HEARTBEAT_SECONDS": "0.5",
             "ORCH_STALE_AFTER_SECONDS": "2", "ORCH_VAR_DIR": str(settings.VAR_DIR), "PYTHONUNBUFFERED": "1",
             **{k: str(v) for k, v in overrides.items()}}
 

@@ -101,3 +101,21 @@ def test_a_wait_survives_a_restart_of_every_process(start_workers, start_sweeper
     task = settle(task.pk, timeout=60)
     assert task.status == "completed"
     assert Step.objects.get(task=task, step_id="await").result["note"] == "no decision in time"
+
+
+@pytest.mark.workers
+def test_waiting_tasks_hold_no_worker(start_workers):
+    """Ten tasks wait on a cluster of two workers, and new work still runs at once."""
+    env = {"ORCH_EXTRA_TASK_TYPES": "tests.support.testtypes"}
+    start_workers(2, **env)
+    waiting = [services.task_create(type="test.approval", params={"timeout": 600}).pk for _ in range(10)]
+    wait_for(lambda: Task.objects.filter(pk__in=waiting, status="waiting").count() == 10, timeout=60,
+             message="ten tasks waiting")
+    assert not Task.objects.filter(pk__in=waiting).exclude(lease_owner="").exists()
+    other = services.task_create(type="demo.pipeline", params={"stages": 2, "seconds_per_stage": 0.1})
+    assert settle(other.pk, timeout=30).status == "completed"
+    for task_id in waiting[:3]:
+        decide(Task.objects.get(pk=task_id))
+    for task_id in waiting[:3]:
+        assert settle(task_id, timeout=30).status == "completed"
+    assert Task.objects.filter(pk__in=waiting[3:], status="waiting").count() == 7
