@@ -88,6 +88,13 @@ def idempotency_key(task_id: int, step_id: str, call_index: int, generation: int
     return f"t{task_id}:{step}:{call_index}"
 
 
+def by_key(queryset):
+    """The row a unique key selects, without the model's default ordering: `.first()` would
+    add ORDER BY task, id, and PostgreSQL may then walk that index instead of the key's."""
+    rows = list(queryset.order_by()[:1])
+    return rows[0] if rows else None
+
+
 def _recorded(entry: WalEntry | None, key: str, tool_name: str, completed: list) -> tuple[bool, Any]:
     """What an earlier execution already settled for this key: (found, result)."""
     if entry is None:
@@ -98,7 +105,7 @@ def _recorded(entry: WalEntry | None, key: str, tool_name: str, completed: list)
         return True, entry.result  # decided by a reviewer, or recorded before a crash
     if entry.status == WalStatus.SKIPPED:
         return True, None  # a reviewer decided the task goes on without this effect
-    recorded = IdempotencyRecord.objects.filter(key=key).first()
+    recorded = by_key(IdempotencyRecord.objects.filter(key=key))
     if recorded is not None:
         completed.append(CompletedEffect(entry.pk, key, tool_name, recorded.result))
         return True, recorded.result
@@ -118,7 +125,7 @@ def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args
 
     # Look for an earlier execution and write the intent in one transaction (one commit).
     with transaction.atomic():
-        entry = WalEntry.objects.filter(idempotency_key=key).first()
+        entry = by_key(WalEntry.objects.filter(idempotency_key=key))
         found, result = _recorded(entry, key, tool_name, completed)
         if found:
             return result
@@ -164,7 +171,7 @@ def _perform_in_transaction(*, lease, step_id, call_index, tool, args, key, toke
     The tool's writes run first; then one statement (fenced on the lease) records the entry
     `done` and the key: a stale lease rolls the effect back with it."""
     with transaction.atomic():
-        entry = WalEntry.objects.filter(idempotency_key=key).first()
+        entry = by_key(WalEntry.objects.filter(idempotency_key=key))
         found, result = _recorded(entry, key, tool.name, completed)
         if found:
             return result
