@@ -230,6 +230,12 @@ def test_a_large_result_is_stored_apart_and_loaded_only_by_a_run_that_needs_it(s
 
 
 def test_an_edit_on_a_10000_step_task_keeps_the_first_half(settings):
+    settings.ORCH_SLICE_SECONDS = 3600  # one run to the limit, without handing over between slices
+
+    def run(task_id):  # as an isolated executor runs it
+        drive_inline(task_id, watched=True)
+        return Task.objects.get(pk=task_id)
+
     task = run(services.task_create(type="test.long", params={"steps": 10_000},
                                     limits={"max_steps": 5_005, "max_subtasks": 1}).pk)
     assert task.status == "paused" and task.steps_done == 5_005
