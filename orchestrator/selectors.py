@@ -8,6 +8,8 @@ PAGE_SIZE = 50
 
 
 def task_list(*, status: str = "", type: str = "", text: str = "") -> QuerySet[Task]:
+    # PostgreSQL refuses a NUL character in text: a filter cannot contain one.
+    status, type, text = (value.replace("\x00", "") for value in (status, type, text))
     qs = Task.objects.all()
     if status:
         qs = qs.filter(status__in=[s for s in status.split(",") if s in TaskStatus.values])
