@@ -244,10 +244,7 @@ def commit_step(*, lease: Lease, plan: PlanState, step_id: str, result: Any, rea
                                extra={"task_id": lease.task_id, "step_id": step_id})
     plan.version = version
     plan.attempts[step_id] = plan.attempts.get(step_id, 0) + 1
-    for spec in commit.added:
-        plan.add(spec.id, spec.depends_on, position=plan.next_position(), on_failure=spec.on_failure,
-                 runs_after_skipped=spec.runs_after_skipped, added_by=step_id,
-                 generation=plan.generations.get(step_id, 0))
+    join_plan(plan, additions(plan, commit.added, step_id))
     plan.set_status(step_id, StepStatus.DONE)
     fault_point("after_checkpoint", step_id)
     return version
@@ -282,7 +279,7 @@ def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
             Step.objects.filter(task_id=lease.task_id, step_id=commit.step_id).update(
                 result_stored_apart=True, result_bytes=len(encoded))
         if commit.added:
-            _insert_added_steps(lease.task_id, plan, commit)
+            insert_added_steps(lease.task_id, plan, additions(plan, commit.added, commit.step_id))
         if commit.consumed or commit.ends_wait:
             _settle_wait(lease.task_id, commit, row["checkpoint_version"])
         if commit.added or snapshots.full_due(row["checkpoint_version"]) or connection.vendor != "postgresql":
@@ -421,13 +418,26 @@ def _settle_wait(task_id: int, commit: StepCommit, version: int) -> None:
         inbox_pending=F("inbox_pending") - len(commit.consumed))
 
 
-def _insert_added_steps(task_id: int, plan: PlanState, commit: StepCommit) -> None:
-    # An added step inherits its adder's generation: when the adder runs again after an
-    # edit or a rollback, what it adds performs its effects under new idempotency keys.
+def additions(plan: PlanState, specs, adder: str) -> list[tuple]:
+    """Steps joining the plan, as (spec, added_by, generation). A step added by a step
+    inherits its adder's generation: when the adder runs again after an edit or a rollback,
+    what it adds performs its effects under new idempotency keys."""
+    generation = plan.generations.get(adder, 0)
+    return [(spec, adder, generation) for spec in specs]
+
+
+def insert_added_steps(task_id: int, plan: PlanState, added: list[tuple]) -> None:
+    """Their Step rows, in the committing transaction (positions after the plan's last)."""
     first, task = plan.next_position(), Task(pk=task_id)
-    generation = plan.generations.get(commit.step_id, 0)
-    Step.objects.bulk_create([step_row(task, spec, first + i, added_by=commit.step_id, generation=generation)
-                              for i, spec in enumerate(commit.added)])
+    Step.objects.bulk_create([step_row(task, spec, first + i, added_by=adder, generation=generation)
+                              for i, (spec, adder, generation) in enumerate(added)])
+
+
+def join_plan(plan: PlanState, added: list[tuple]) -> None:
+    """Once the rows are committed: the steps join the runner's plan state."""
+    for spec, adder, generation in added:
+        plan.add(spec.id, spec.depends_on, position=plan.next_position(), on_failure=spec.on_failure,
+                 runs_after_skipped=spec.runs_after_skipped, added_by=adder, generation=generation)
 
 
 def _write_snapshot(task_id: int, plan: PlanState, commit: StepCommit, row: dict) -> None:
@@ -449,11 +459,7 @@ def _write_snapshot(task_id: int, plan: PlanState, commit: StepCommit, row: dict
                           "active_seconds": round(row["active_seconds"], 3)}}
     if commit.added:
         delta["added_by"] = {spec.id: commit.step_id for spec in commit.added}
-    with connection.cursor() as cursor:
-        cursor.execute(f'INSERT INTO {TABLES["snapshot"]} (task_id, version, step_id, "full", state, created_at) '
-                       f'VALUES (%s, %s, %s, %s, %s, %s)',
-                       [task_id, version, commit.step_id, False, json.dumps(delta),
-                        connection.ops.adapt_datetimefield_value(timezone.now())])
+    snapshots.write_delta(task_id, version, delta, commit.step_id)
 
 
 def commit_step_failure(*, lease: Lease, plan: PlanState, step_id: str, error: str, retrying: bool,
@@ -574,8 +580,8 @@ def skip_steps(task: Task, plan: PlanState, step_id: str, error: str, *, by: str
     task.checkpoint_version += 1
     task.event_seq += 1
     task.save(update_fields=["checkpoint_version", "event_seq", "updated_at"])
-    snapshots.write_delta(task, {"steps": {sid: StepStatus.SKIPPED for sid in cascade}, "status": task.status},
-                          step_id)
+    snapshots.write_delta(task.pk, task.checkpoint_version,
+                          {"steps": {sid: StepStatus.SKIPPED for sid in cascade}, "status": task.status}, step_id)
     create_event(task, task.event_seq, "step_skipped", {"step": step_id, "by": by, "error": error[:500],
                                                          "dependants": cascade[1:200], "version": task.checkpoint_version})
     return cascade
@@ -592,7 +598,8 @@ def commit_events(*, lease: Lease, plan: PlanState, consumed: list) -> int:
     event's state and outcome, the steps they add, a snapshot version, a progress event.
     `consumed`: (InboundEvent, inbox.Applied) pairs. Returns the new version."""
     now = timezone.now()
-    added = [(event, spec) for event, applied in consumed for spec in applied.add_steps]
+    added = [addition for event, applied in consumed
+             for addition in additions(plan, applied.add_steps, f"{INBOX_ADDER}{event.seq}")]
     with transaction.atomic():
         task = lock_fenced(lease)
         task.checkpoint_version += 1
@@ -605,22 +612,18 @@ def commit_events(*, lease: Lease, plan: PlanState, consumed: list) -> int:
         for event, applied in consumed:
             InboundEvent.objects.filter(pk=event.pk).update(state=applied.state, outcome=applied.outcome[:2000],
                                                             consumed_at=now, consumed_in_version=task.checkpoint_version)
-        first = plan.next_position()
-        Step.objects.bulk_create([step_row(task, spec, first + i, added_by=f"{INBOX_ADDER}{event.seq}")
-                                  for i, (event, spec) in enumerate(added)])
-        delta = {"steps": {spec.id: StepStatus.PENDING for _, spec in added}, "status": task.status,
+        insert_added_steps(task.pk, plan, added)
+        delta = {"steps": {spec.id: StepStatus.PENDING for spec, _, _ in added}, "status": task.status,
                  "inbox_consumed": [event.seq for event, _ in consumed]}
         if added:
-            delta["added_by"] = {spec.id: f"{INBOX_ADDER}{event.seq}" for event, spec in added}
-        snapshots.write_delta(task, delta)
+            delta["added_by"] = {spec.id: adder for spec, adder, _ in added}
+        snapshots.write_delta(task.pk, task.checkpoint_version, delta)
         create_event(task, task.event_seq, "inbox_consumed", {
             "events": [{"seq": e.seq, "type": e.type, "state": a.state, "outcome": a.outcome[:200]}
                        for e, a in consumed][:50],
-            "steps_added": [spec.id for _, spec in added][:200], "version": task.checkpoint_version})
+            "steps_added": [spec.id for spec, _, _ in added][:200], "version": task.checkpoint_version})
         fault_point("mid_checkpoint", "inbox")  # crash tests: the consumption vanishes whole
     fault_point("after_checkpoint", "inbox")
     plan.version = task.checkpoint_version
-    for event, spec in added:
-        plan.add(spec.id, spec.depends_on, position=plan.next_position(), on_failure=spec.on_failure,
-                 runs_after_skipped=spec.runs_after_skipped, added_by=f"{INBOX_ADDER}{event.seq}")
+    join_plan(plan, added)
     return task.checkpoint_version

@@ -158,7 +158,8 @@ def validate(task: Task, type_name: str, priority, payload, source: str) -> tupl
         takes = ", ".join(accepted_types(task_type))
         raise InboxRefused(422, f"task #{task.pk} ({task.type}) does not take {type_name!r} events; it takes: {takes}",
                            field="type")
-    priority = event_type.default_priority if parse_priority(priority) is None else parse_priority(priority)
+    asked = parse_priority(priority)
+    priority = event_type.default_priority if asked is None else asked
     ceiling = event_type.ceilings.get(source_kind(source))
     if ceiling is None:
         raise InboxRefused(403, f"{source_kind(source)} senders may not send {type_name!r} events", field="source")

@@ -15,6 +15,11 @@ The state of a version (what `materialize` returns and the API shows):
     {"params", "limits", "status", "steps": {step_id: status}, "counters": {...},
      "generations": {step_id: n} (only steps re-run after an edit), "added_by": {step_id: adder}}
 """
+import json
+
+from django.db import connection
+from django.utils import timezone
+
 from ..conf import harness
 from ..models import Snapshot, Task
 
@@ -88,9 +93,13 @@ def write_full(task: Task, state: dict, step_id: str = "") -> None:
     prune(task.pk, task.checkpoint_version)
 
 
-def write_delta(task: Task, delta: dict, step_id: str = "") -> None:
-    Snapshot.objects.create(task_id=task.pk, version=task.checkpoint_version, step_id=step_id, state=delta,
-                            full=False)
+def write_delta(task_id: int, version: int, delta: dict, step_id: str = "") -> None:
+    """A delta row for `version` (one INSERT, no model instance: it is on the per-step path)."""
+    with connection.cursor() as cursor:
+        cursor.execute(f'INSERT INTO {Snapshot._meta.db_table} (task_id, version, step_id, "full", state, created_at) '
+                       f'VALUES (%s, %s, %s, %s, %s, %s)',
+                       [task_id, version, step_id, False, json.dumps(delta),
+                        connection.ops.adapt_datetimefield_value(timezone.now())])
 
 
 def full_due(version: int) -> bool:

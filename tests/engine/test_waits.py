@@ -61,8 +61,17 @@ def test_the_deadline_passes_the_sweeper_wakes_it_and_the_step_learns_it_timed_o
     assert Task.objects.get(pk=task.pk).status == "queued"
     assert drive_inline(task.pk) == "completed"
     assert Step.objects.get(task=task, step_id="await").result == {"approved": False, "note": "no decision in time"}
-    # A re-run keeps the first deadline instead of starting the timer again.
     assert until is not None
+
+
+def test_a_wait_that_runs_again_keeps_its_first_deadline():
+    task = approval(timeout=600)
+    assert drive_inline(task.pk) == "waiting"
+    until = Task.objects.get(pk=task.pk).waiting_until
+    services.task_pause(task_id=task.pk)
+    services.task_resume(task_id=task.pk)
+    assert drive_inline(task.pk) == "waiting"  # the step ran again and waits again...
+    assert Task.objects.get(pk=task.pk).waiting_until == until  # ...with the deadline of its first wait
 
 
 def test_a_waiting_task_can_be_paused_stopped_and_its_event_is_kept():
