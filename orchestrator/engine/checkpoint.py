@@ -45,6 +45,13 @@ class InvalidPlanGrowth(ValueError):
     """A step tried to add steps that cannot join the plan (a duplicate id, an unknown dependency)."""
 
 
+class CheckpointDiverged(Exception):
+    """The database is not at the checkpoint version this run built on, though the run still
+    holds the lease: the server lost commits it had acknowledged (it crashed with pure-step
+    commits not yet flushed, see the module docstring). The run must start again from what
+    the database holds; its in-memory plan is ahead of it."""
+
+
 @dataclass
 class PlanState:
     """The runner's view of the plan; only the lease holder changes step states.
@@ -262,17 +269,17 @@ def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
     if simple:
         row = _commit_statement_postgresql(lease, plan, commit, encoded, now, delta=True)
         if row is None:
-            raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale")
+            return _unfenced(lease, plan, commit)
         _after_commit(lease.task_id, row, plan.done_count() + 1)
         return row["checkpoint_version"]
     with transaction.atomic():
         if connection.vendor == "postgresql":
             row = _commit_statement_postgresql(lease, plan, commit, None if apart else encoded, now,
                                                delta=not snapshots.full_due(version) and not commit.added)
-            if row is None:
-                raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale")
         else:
             row = _commit_statements_sqlite(lease, plan, commit, None if apart else encoded, now)
+        if row is None:
+            return _unfenced(lease, plan, commit)
         if apart:
             StepResult.objects.update_or_create(task_id=lease.task_id, step_id=commit.step_id,
                                                 defaults={"data": commit.result})
@@ -290,6 +297,26 @@ def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
     return row["checkpoint_version"]
 
 
+def _unfenced(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
+    """The commit's fence did not hold: say why. Retried after a lost connection, the first
+    try may have committed with only its reply lost; then the step is done at exactly the
+    next version and that version is the answer (committing again would run the step's
+    commit twice: a second step_done, a version skipped)."""
+    task = Task.objects.filter(pk=lease.task_id).values("lease_epoch", "lease_owner", "checkpoint_version").first()
+    if task is None or task["lease_epoch"] != lease.epoch or task["lease_owner"] != lease.owner:
+        raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale")
+    step = Step.objects.filter(task_id=lease.task_id, step_id=commit.step_id).values("status", "attempts").first()
+    landed = (task["checkpoint_version"] == plan.version + 1 and step is not None
+              and step["status"] == StepStatus.DONE and step["attempts"] == plan.attempts.get(commit.step_id, 0) + 1)
+    if landed:
+        log.info("checkpoint had landed before the connection was lost",
+                 extra={"task_id": lease.task_id, "step_id": commit.step_id,
+                        "checkpoint_version": task["checkpoint_version"]})
+        return task["checkpoint_version"]
+    raise CheckpointDiverged(f"task {lease.task_id}: the database is at checkpoint v{task['checkpoint_version']}, "
+                             f"this run built on v{plan.version}")
+
+
 def _after_commit(task_id: int, row: dict, steps_done: int) -> None:
     if cross_process_layer() is not None:
         publish_hint(task_id, row["event_seq"], row["status"], steps_done, row["steps_total"])
@@ -305,6 +332,7 @@ WITH t AS (
         steps_done = %(steps_done)s, steps_total = steps_total + %(added)s, tokens_used = tokens_used + %(tokens)s,
         active_seconds = active_seconds + %(active)s, heartbeat_at = %(now)s, updated_at = %(now)s
     WHERE id = %(task_id)s AND lease_epoch = %(epoch)s AND lease_owner = %(owner)s
+        AND checkpoint_version = %(expected_version)s
     RETURNING checkpoint_version, event_seq, status, steps_total, tokens_used, active_seconds
 ), s AS (
     UPDATE {step} SET status = 'done', result = %(result)s::jsonb, reads = %(reads)s::jsonb,
@@ -349,6 +377,7 @@ ROW_FIELDS = ("checkpoint_version", "event_seq", "status", "steps_total", "token
 def _commit_parameters(lease: Lease, plan: PlanState, commit: StepCommit, encoded_result, now) -> dict:
     return {
         "task_id": lease.task_id, "epoch": lease.epoch, "owner": lease.owner, "now": now,
+        "expected_version": plan.version,
         "steps_done": plan.done_count() + 1, "added": len(commit.added), "tokens": commit.tokens_used,
         "active": commit.active_seconds, "result": encoded_result, "reads": json.dumps(commit.reads),
         "attempts": plan.attempts.get(commit.step_id, 0) + 1, "started_at": commit.started_at,
@@ -374,8 +403,9 @@ def _commit_statement_postgresql(lease, plan, commit, encoded_result, now, *, de
     return dict(zip(ROW_FIELDS, row)) if row else None
 
 
-def _commit_statements_sqlite(lease, plan, commit, encoded_result, now) -> dict:
-    """The same commit as the PostgreSQL statement, as a few statements in the caller's transaction."""
+def _commit_statements_sqlite(lease, plan, commit, encoded_result, now) -> dict | None:
+    """The same commit as the PostgreSQL statement, as a few statements in the caller's
+    transaction; None when the fence (lease and version) does not hold."""
     p = _commit_parameters(lease, plan, commit, encoded_result, now)
     now, started_at = (connection.ops.adapt_datetimefield_value(value) for value in (now, commit.started_at))
     with connection.cursor() as cursor:
@@ -383,12 +413,13 @@ def _commit_statements_sqlite(lease, plan, commit, encoded_result, now) -> dict:
             f"UPDATE {TABLES['task']} SET checkpoint_version = checkpoint_version + 1, event_seq = event_seq + 1, "
             f"steps_done = %s, steps_total = steps_total + %s, tokens_used = tokens_used + %s, "
             f"active_seconds = active_seconds + %s, heartbeat_at = %s, updated_at = %s "
-            f"WHERE id = %s AND lease_epoch = %s AND lease_owner = %s "
+            f"WHERE id = %s AND lease_epoch = %s AND lease_owner = %s AND checkpoint_version = %s "
             f"RETURNING {', '.join(ROW_FIELDS)}",
-            [p["steps_done"], p["added"], p["tokens"], p["active"], now, now, p["task_id"], p["epoch"], p["owner"]])
+            [p["steps_done"], p["added"], p["tokens"], p["active"], now, now, p["task_id"], p["epoch"], p["owner"],
+             p["expected_version"]])
         found = cursor.fetchone()
         if found is None:
-            raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale")
+            return None
         row = dict(zip(ROW_FIELDS, found))
         cursor.execute(
             f"UPDATE {TABLES['step']} SET status = 'done', result = %s, reads = %s, attempts = %s, error = '', "

@@ -171,6 +171,7 @@ class Runner:
         self.token = CancellationToken(f"task-{lease.task_id}")
         self.control: str = ""
         self.lease_lost = False
+        self.diverged: str = ""  # why this run's plan is ahead of the database (it restarts from it)
         self.failure: str = ""
         self.needs_human: str = ""
         self.ambiguous: list = []
@@ -218,6 +219,22 @@ class Runner:
     def lose_lease(self) -> None:
         self.lease_lost = True
         self.token.cancel("lease lost")
+
+    def diverge(self, why: str, effects: list) -> None:
+        """The database lost checkpoints this run had committed (checkpoint.CheckpointDiverged):
+        record the effects that did happen, stop, and let the next run start from the
+        database's state (pure steps are recomputed; effects replay from the WAL)."""
+        log.warning("checkpoint diverged: the run restarts from the database (%s)", why,
+                    extra={"task_id": self.lease.task_id, "lease_epoch": self.lease.epoch})
+        self.diverged = why
+        self.token.cancel("restart from the database")
+        if any(not e.committed for e in effects):
+            try:
+                with transaction.atomic():
+                    leases.lock_fenced(self.lease)
+                    wal.mark_done(effects)
+            except LeaseLost:
+                self.lose_lease()
 
     # --- the loop -----------------------------------------------------------------------
     @telemetry.traced_run
@@ -334,6 +351,8 @@ class Runner:
     def halt_reason(self) -> str:
         if self.lease_lost:
             return "lease lost"
+        if self.diverged:
+            return "diverged"
         if self.control:
             return self.control
         if self.failure or self.ambiguous or self.needs_human:
@@ -470,6 +489,9 @@ class Runner:
             log.warning("lease lost: step result discarded", extra=extra)
             self.lose_lease()
             return
+        except checkpoint.CheckpointDiverged as exc:
+            self.diverge(str(exc), ctx.completed_effects)
+            return
         except checkpoint.InvalidPlanGrowth as exc:
             # The step's code asked for an impossible plan: running it again asks the same.
             log.warning("step added steps that cannot join the plan", extra=extra)
@@ -529,6 +551,12 @@ class Runner:
         def write_outcome():
             with transaction.atomic():
                 task = leases.lock_fenced(self.lease)
+                if self.diverged:
+                    # Nothing of this run's memory is written: the next run loads the database's.
+                    task.lease_owner = ""
+                    task.save(update_fields=["lease_owner", "updated_at"])
+                    scheduler.enqueue(task.pk)
+                    return task, "restarted from the database"
                 task.active_seconds += active_seconds
                 task.tokens_used = self.base_tokens + self.tokens_this_run()
                 outcome = self.decide(task)
