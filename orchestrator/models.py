@@ -69,6 +69,9 @@ class Task(models.Model):
     # earliest deadline (the sweeper wakes the task then; it survives restarts).
     waiting_for = models.JSONField(default=list, blank=True)
     waiting_until = models.DateTimeField(null=True, blank=True)
+    # The task stack (engine/preemption.py): a frame per urgent subtask that suspended the
+    # work below it, newest last; the runner runs only the top frame's steps. Depth <= 4.
+    stack = models.JSONField(default=list, blank=True)
 
     # When the task was last handed to the broker; the sweeper re-enqueues a queued task
     # nobody claimed for ORCH_REQUEUE_AFTER_SECONDS (a lost broker message strands nothing).
@@ -144,6 +147,8 @@ class Step(models.Model):
     runs_after_skipped = models.BooleanField(default=False)
     # The step that added this one to the plan while it ran ("" = the type's plan).
     added_by = models.CharField(max_length=200, blank=True)
+    # Pending steps this added step was put in front of (StepSpec.before): they depend on it.
+    before = models.JSONField(default=list, blank=True)
     # A result larger than ORCH_RESULT_INLINE_BYTES lives in a StepResult row, loaded only
     # when a dependant or a page asks for it; `result` is then null.
     result_stored_apart = models.BooleanField(default=False)

@@ -36,7 +36,8 @@ def task_out(task: Task, user=None) -> dict:
         started_at=task.started_at, finished_at=task.finished_at, control=task.control,
         control_requested_at=task.control_requested_at, control_acknowledged_at=task.control_acknowledged_at,
         activities=task.activities, paused_by_limit=task.paused_by_limit,
-        actions=task_actions.as_list(task_actions.available(task, user)), steps=steps)
+        actions=task_actions.as_list(task_actions.available(task, user)), stack=task.stack or [],
+        waiting_for=task.waiting_for or [], steps=steps)
 
 
 def audit_out(a) -> AuditOut:

@@ -109,6 +109,9 @@ class TaskOut(TaskSummaryOut):
     activities: list[dict]
     paused_by_limit: str = Field(..., description="the limit that paused the task (raise it to resume), or empty")
     actions: list[ActionOut] = Field(..., description="what the caller may do to the task now, and why not")
+    stack: list[dict] = Field(..., description="the task stack, bottom first: a frame per urgent subtask (a preempt "
+                                              "event) that suspended the work below it")
+    waiting_for: list[dict] = Field(..., description="while waiting: the steps waiting for an event, and until when")
     steps: list[StepOut]
 
 

@@ -73,6 +73,8 @@ class PlanState:
     dependants: dict[str, list[str]] = field(default_factory=dict)
     unfinished_deps: dict[str, int] = field(default_factory=dict)
     version: int = 0  # the task's checkpoint version as this runner last committed it
+    stack: list = field(default_factory=list)  # the task stack (engine/preemption.py), as committed
+    running: set = field(default_factory=set)  # steps in flight in this run (the runner keeps it)
     done: int = 0
     finished_count: int = 0
     _ready: list[tuple[int, str]] = field(default_factory=list)
@@ -109,6 +111,13 @@ class PlanState:
         if status in FINISHED:
             self.finished_count += 1
         self.requeue(step_id)
+
+    def add_dependency(self, step_id: str, dependency: str) -> None:
+        """`step_id` (pending, not running) now waits for `dependency` too (StepSpec.before)."""
+        self.depends_on[step_id] = (*self.depends_on[step_id], dependency)
+        self.dependants.setdefault(dependency, []).append(step_id)
+        if self.status.get(dependency) not in FINISHED:
+            self.unfinished_deps[step_id] += 1  # its queue entry, if any, is stale now
 
     def next_position(self) -> int:
         return max(self.position.values(), default=-1) + 1
@@ -193,6 +202,10 @@ class PlanState:
             if missing:
                 raise InvalidPlanGrowth(f"step {adder!r} added step {spec.id!r} depending on {missing}, which are "
                                         f"neither in the plan nor added before it")
+            late = [b for b in spec.before if self.status.get(b) != StepStatus.PENDING or b in self.running]
+            if late:
+                raise InvalidPlanGrowth(f"step {adder!r} put step {spec.id!r} before {late}, which are not pending "
+                                        f"steps of the plan (a step can only be put before one that has not started)")
             known.add(spec.id)
 
     def snapshot_state(self, task: Task) -> dict:
@@ -206,6 +219,7 @@ class PlanState:
             state["generations"] = generations
         if self.added_by:
             state["added_by"] = dict(self.added_by)
+        state["stack"] = list(self.stack)
         return state
 
 
@@ -462,6 +476,13 @@ def insert_added_steps(task_id: int, plan: PlanState, added: list[tuple]) -> Non
     first, task = plan.next_position(), Task(pk=task_id)
     Step.objects.bulk_create([step_row(task, spec, first + i, added_by=adder, generation=generation)
                               for i, (spec, adder, generation) in enumerate(added)])
+    extra_dependencies: dict[str, list[str]] = {}
+    for spec, _, _ in added:
+        for target in spec.before:
+            extra_dependencies.setdefault(target, []).append(spec.id)
+    for target, dependencies in extra_dependencies.items():
+        Step.objects.filter(task_id=task_id, step_id=target).update(
+            depends_on=[*plan.depends_on[target], *dependencies])
 
 
 def join_plan(plan: PlanState, added: list[tuple]) -> None:
@@ -469,6 +490,8 @@ def join_plan(plan: PlanState, added: list[tuple]) -> None:
     for spec, adder, generation in added:
         plan.add(spec.id, spec.depends_on, position=plan.next_position(), on_failure=spec.on_failure,
                  runs_after_skipped=spec.runs_after_skipped, added_by=adder, generation=generation)
+        for target in spec.before:
+            plan.add_dependency(target, spec.id)
 
 
 def _write_snapshot(task_id: int, plan: PlanState, commit: StepCommit, row: dict) -> None:
@@ -542,6 +565,7 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
         if rows:
             plan = plan_from(rows)
             plan.version = task.checkpoint_version
+            plan.stack = list(task.stack or [])
             return plan
         specs = task_type.plan(params)
         known = set()
@@ -569,7 +593,8 @@ def step_row(task: Task, spec, position: int, added_by: str = "", generation: in
     """A new Step row from a StepSpec."""
     return Step(task=task, step_id=spec.id, position=position, title=spec.title or spec.id,
                 depends_on=list(spec.depends_on), declared_reads=list(spec.reads), on_failure=spec.on_failure,
-                runs_after_skipped=spec.runs_after_skipped, added_by=added_by, generation=generation)
+                runs_after_skipped=spec.runs_after_skipped, added_by=added_by, generation=generation,
+                before=list(spec.before))
 
 
 PLAN_FIELDS = ("step_id", "depends_on", "status", "attempts", "failure_fingerprint", "generation", "on_failure",
@@ -624,9 +649,10 @@ def compact_snapshots(lease_task: Task, plan: PlanState) -> None:
     snapshots.compact(lease_task, plan.snapshot_state(lease_task))
 
 
-def commit_events(*, lease: Lease, plan: PlanState, consumed: list) -> int:
+def commit_events(*, lease: Lease, plan: PlanState, consumed: list, stack: list | None = None) -> int:
     """Consume inbox events at a resume point, as one checkpoint fenced on the lease: each
-    event's state and outcome, the steps they add, a snapshot version, a progress event.
+    event's state and outcome, the steps they add, the task stack when a preemption pushed
+    a frame, a snapshot version, a progress event.
     `consumed`: (InboundEvent, inbox.Applied) pairs. Returns the new version."""
     now = timezone.now()
     added = [addition for event, applied in consumed
@@ -638,8 +664,10 @@ def commit_events(*, lease: Lease, plan: PlanState, consumed: list) -> int:
         task.inbox_pending -= len(consumed)
         task.steps_total += len(added)
         task.heartbeat_at = now
+        if stack is not None:
+            task.stack = stack
         task.save(update_fields=["checkpoint_version", "event_seq", "inbox_pending", "steps_total", "heartbeat_at",
-                                 "updated_at"])
+                                 "stack", "updated_at"])
         for event, applied in consumed:
             InboundEvent.objects.filter(pk=event.pk).update(state=applied.state, outcome=applied.outcome[:2000],
                                                             consumed_at=now, consumed_in_version=task.checkpoint_version)
@@ -648,6 +676,8 @@ def commit_events(*, lease: Lease, plan: PlanState, consumed: list) -> int:
                  "inbox_consumed": [event.seq for event, _ in consumed]}
         if added:
             delta["added_by"] = {spec.id: adder for spec, adder, _ in added}
+        if stack is not None:
+            delta["stack"] = stack
         snapshots.write_delta(task.pk, task.checkpoint_version, delta)
         create_event(task, task.event_seq, "inbox_consumed", {
             "events": [{"seq": e.seq, "type": e.type, "state": a.state, "outcome": a.outcome[:200]}
@@ -656,5 +686,7 @@ def commit_events(*, lease: Lease, plan: PlanState, consumed: list) -> int:
         fault_point("mid_checkpoint", "inbox")  # crash tests: the consumption vanishes whole
     fault_point("after_checkpoint", "inbox")
     plan.version = task.checkpoint_version
+    if stack is not None:
+        plan.stack = stack
     join_plan(plan, added)
     return task.checkpoint_version

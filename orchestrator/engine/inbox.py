@@ -9,6 +9,8 @@ Priorities:
 - P0 interrupts: the operator controls pause, stop and terminate. They act through the
   control column the supervisor polls every ORCH_CONTROL_POLL_SECONDS (the running step is
   cancelled through the token tree); their inbox row records the request and its outcome.
+  `preempt` (P0) cancels the steps in flight the same way, then pushes a frame on the
+  task stack at the resume point and runs the urgent subtask first (engine/preemption.py).
 - P1 is applied at the next resume point, never aborting a step: `resume`, `user.message`,
   `instruction`, `approval.decided` (the task type's handler decides what it means).
 - P3 updates state at the next resume point (`upstream.ready`); P4 is recorded only
@@ -76,6 +78,17 @@ class UpstreamReady(BaseModel):
     resource: str = Field("", max_length=500)
 
 
+class Preempt(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    subtask: str = Field(..., min_length=1, max_length=100, description="one of the task type's subtasks")
+    args: dict = Field(default_factory=dict, description="what the subtask needs (the task type says)")
+    reason: str = Field("", max_length=500)
+
+
+class SubtaskDone(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
 class ProgressExternal(BaseModel):
     model_config = ConfigDict(extra="allow")
     message: str = Field("", max_length=2000)
@@ -96,12 +109,17 @@ class EventType:
 
 OPERATORS_ONLY = {"operator": 0, "system": 0}
 CONTROL_TYPES = ("pause", "stop", "terminate", "resume")
+MAX_STACK_DEPTH = 4  # frames on a task stack (engine/preemption.py)
 
 REGISTRY: dict[str, EventType] = {t.name: t for t in (
     EventType("pause", 0, NoPayload, OPERATORS_ONLY, description="pause at the next resume point"),
     EventType("stop", 0, NoPayload, OPERATORS_ONLY, description="stop: cancel the running step, keep the work done"),
     EventType("terminate", 0, NoPayload, OPERATORS_ONLY, description="force-terminate: nothing left running"),
     EventType("resume", 1, NoPayload, OPERATORS_ONLY, description="continue a paused task from its checkpoint"),
+    EventType("preempt", 0, Preempt, OPERATORS_ONLY,
+              description="suspend the current work, run an urgent subtask first, then continue"),
+    EventType("subtask.done", 3, SubtaskDone, {"internal": 3},
+              description="an urgent subtask finished and its frame was popped (written by the engine)"),
     EventType("user.message", 1, UserMessage, description="a message to a running agent"),
     EventType("instruction", 1, AnyPayload, description="a task-type specific instruction"),
     EventType("approval.decided", 1, ApprovalDecided, description="an approval decided in another system"),
@@ -143,8 +161,8 @@ def accepted_types(task_type) -> tuple[str, ...]:
     """The event types a task of `task_type` takes: the controls and the information types,
     plus those its type handles (TaskType.event_types) or its steps wait for
     (TaskType.awaited_event_types)."""
-    return (*CONTROL_TYPES, "upstream.ready", "progress.external", *getattr(task_type, "event_types", ()),
-            *getattr(task_type, "awaited_event_types", ()))
+    return (*CONTROL_TYPES, "upstream.ready", "progress.external", *(("preempt",) if task_type.subtasks else ()),
+            *getattr(task_type, "event_types", ()), *getattr(task_type, "awaited_event_types", ()))
 
 
 def digest(payload: dict) -> str:
@@ -181,6 +199,14 @@ def validate(task: Task, type_name: str, priority, payload, source: str) -> tupl
         first = exc.errors()[0]
         where = ".".join(["payload", *map(str, first["loc"])])
         raise InboxRefused(422, f"{where}: {first['msg']}", field=where) from None
+    if type_name == "preempt":
+        if clean["subtask"] not in task_type.subtasks:
+            known = "; ".join(f"{name}: {what}" for name, what in task_type.subtasks.items())
+            raise InboxRefused(422, f"payload.subtask: {task.type} has no subtask {clean['subtask']!r}; it has: {known}",
+                               field="payload.subtask")
+        if len(task.stack or []) >= MAX_STACK_DEPTH:
+            raise InboxRefused(409, f"task #{task.pk}'s stack is {len(task.stack)} deep (at most {MAX_STACK_DEPTH}): "
+                                    f"let a subtask finish first")
     return event_type, priority, clean
 
 
@@ -380,3 +406,8 @@ def apply(task_type, event: InboundEvent, now: datetime) -> Applied:
         return Applied("recorded")
     return Applied(f"recorded: {event.type} changes nothing in a {task_type.name} task")
 
+
+
+def preempt_pending(task_id: int) -> bool:
+    """A `preempt` waits to be applied (the supervisor then cancels the steps in flight)."""
+    return InboundEvent.objects.filter(task_id=task_id, type="preempt", state=InboundState.PENDING).exists()

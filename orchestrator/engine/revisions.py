@@ -16,17 +16,18 @@ idempotency keys. Idempotent ones (an upsert) replay harmlessly; every non-idemp
 refused (409) unless the operator confirms each by key (`repeat_effects`). Each confirmed
 repeat is audited.
 """
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from django.db import transaction
 
-from ..models import Step, StepStatus, Task, TaskStatus as S, WalEntry, WalStatus
+from ..models import InboundEvent, Step, StepStatus, Task, TaskStatus as S, WalEntry, WalStatus
 from ..tasktypes import get_type
 from ..tasktypes.base import StepSpec
 from ..tools.base import ToolError, get_tool
 from . import actions, scheduler, snapshots, states
 from .checkpoint import snapshot_now, step_row
 from .events import append_event
+from .inbox import INBOX_ADDER
 from .audit import audit
 from .services import FieldError, InvalidInput, validate_limits, validate_params
 
@@ -129,9 +130,18 @@ def preview_edit(task: Task, new_params: dict, actor=None) -> tuple[Preview, lis
         if (reads & changed or any(dep in invalid for dep in step.depends_on)
                 or (regenerate and step.step_id in adders)):
             invalid.add(step.step_id)
+    spread = True
+    while spread:  # a step put `before` an earlier one is a dependency later in position order
+        spread = False
+        for step in steps.values():
+            if step.step_id not in invalid and any(dep in invalid for dep in step.depends_on):
+                invalid.add(step.step_id)
+                spread = True
     kept, dropped_added = set(), []
     for step in steps.values():
-        survives = step.step_id in static_ids if not step.added_by else (step.added_by in kept and not regenerate)
+        survives = (step.step_id in static_ids if not step.added_by
+                    else adder_stays(step.added_by, kept, lambda adder: True)
+                    and (step.added_by.startswith(INBOX_ADDER) or not regenerate))
         if step.added_by and not survives:
             dropped_added.append(step.step_id)
         if step.status != StepStatus.DONE:
@@ -151,16 +161,49 @@ def preview_edit(task: Task, new_params: dict, actor=None) -> tuple[Preview, lis
     return preview, new_specs
 
 
-def added_specs(steps, kept: set[str]) -> list:
+def added_specs(steps, kept: set[str], events_kept=lambda adder: True) -> list:
     """The steps added at run time that stay in a revised plan: those whose adder is kept
-    (steps in position order, so an adder is decided before what it added)."""
+    (steps in position order, so an adder is decided before what it added), and those an
+    inbox event added, while `events_kept(adder)` says the event still stands."""
     specs = []
     for step in steps:
-        if step.added_by and step.added_by in kept:
+        if step.added_by and adder_stays(step.added_by, kept, events_kept):
+            before = tuple(step.before or ())
             specs.append(StepSpec(step.step_id, title=step.title, depends_on=tuple(step.depends_on),
                                   reads=tuple(step.declared_reads), on_failure=step.on_failure,
-                                  runs_after_skipped=step.runs_after_skipped))
+                                  runs_after_skipped=step.runs_after_skipped, before=before))
     return specs
+
+
+def adder_stays(added_by: str, kept: set[str], events_kept) -> bool:
+    if added_by.startswith(INBOX_ADDER):
+        return events_kept(added_by)  # an event is not run again: what it added stays while it stands
+    return added_by in kept
+
+
+def events_consumed_by(task: Task, version: int):
+    """For a rollback to `version`: the inbox adders whose event was consumed at or before it
+    (events consumed later are not re-applied, EVENTS.md)."""
+    seqs = set(InboundEvent.objects.filter(task=task, consumed_in_version__lte=version)
+               .values_list("seq", flat=True))
+    return lambda adder: int(adder[len(INBOX_ADDER):] or 0) in seqs
+
+
+def with_before(specs: list) -> list:
+    """`specs` with each `before` target depending on the step put in front of it."""
+    extra: dict[str, list[str]] = {}
+    for spec in specs:
+        for target in spec.before:
+            extra.setdefault(target, []).append(spec.id)
+    if not extra:
+        return specs
+    return [replace(spec, depends_on=(*spec.depends_on, *[d for d in extra[spec.id] if d not in spec.depends_on]))
+            if spec.id in extra else spec for spec in specs]
+
+
+def kept_stack(stack: list, step_ids: set[str]) -> list:
+    """The frames of `stack` whose subtask steps are all still in the plan."""
+    return [frame for frame in stack or [] if all(s in step_ids for s in frame.get("steps", ()))]
 
 
 def apply_edit(*, task_id: int, new_params: dict, expected_version: int | None, limits: dict | None = None,
@@ -194,6 +237,8 @@ def _check_fresh(task: Task, expected_version: int | None) -> None:
 def _rewrite_plan(task: Task, specs, *, keep: set[str]) -> None:
     """Make the Step rows match `specs`: keep the `keep` steps' results, reset every other
     step (new generation: new idempotency keys), drop steps no longer planned."""
+    specs = with_before(specs)
+    task.stack = kept_stack(task.stack, {spec.id for spec in specs})
     existing = {s.step_id: s for s in Step.objects.filter(task=task)}
     Step.objects.filter(task=task).exclude(step_id__in=[s.id for s in specs]).delete()
     for position, spec in enumerate(specs):
@@ -236,8 +281,9 @@ def preview_rollback(task: Task, version: int, actor=None) -> Preview:
     static_ids = {spec.id for spec in static_specs}
     steps = list(Step.objects.filter(task=task).order_by("position"))
     kept: set[str] = set()
+    events_kept = events_consumed_by(task, version)
     for step in steps:  # in position order: an added step's adder is decided first
-        survives = step.added_by in kept if step.added_by else step.step_id in static_ids
+        survives = adder_stays(step.added_by, kept, events_kept) if step.added_by else step.step_id in static_ids
         if (survives and at_version.get(step.step_id) == StepStatus.DONE
                 and gens_then.get(step.step_id, 0) == step.generation):
             kept.add(step.step_id)
@@ -245,7 +291,7 @@ def preview_rollback(task: Task, version: int, actor=None) -> Preview:
         if step.status == StepStatus.DONE:
             (preview.kept if step.step_id in kept else preview.rerun).append(step.step_id)
     preview.effects_after = _effects(task, preview.rerun)
-    new_specs = static_specs + added_specs(steps, kept)
+    new_specs = static_specs + added_specs(steps, kept, events_kept)
     planned = {spec.id for spec in static_specs}
     # Steps that run again: the static ones re-planned, and added ones their adder adds anew.
     _set_repeats(preview, task, [sid for sid in preview.rerun
@@ -262,10 +308,13 @@ def apply_rollback(*, task_id: int, version: int, expected_version: int | None,
         _check_fresh(task, expected_version)
         _confirm_repeats(task, preview, repeat_effects, actor=actor, ip=ip)
         before = {"params": task.params, "checkpoint_version": task.checkpoint_version}
-        task.params = snapshots.materialize(task.pk, version)["params"]
+        state = snapshots.materialize(task.pk, version)
+        task.params = state["params"]
         task_type = get_type(task.type)
         steps = list(Step.objects.filter(task=task).order_by("position"))
-        specs = task_type.plan(task_type.Params.model_validate(task.params)) + added_specs(steps, set(preview.kept))
+        specs = task_type.plan(task_type.Params.model_validate(task.params)) + added_specs(
+            steps, set(preview.kept), events_consumed_by(task, version))
+        task.stack = kept_stack(state.get("stack") or [], {spec.id for spec in specs})
         _rewrite_plan(task, specs, keep=set(preview.kept))
         append_event(task, "rolled_back", {"to_version": version, "rerun": preview.rerun[:200],
                                            "effects_after": len(preview.effects_after)})

@@ -27,14 +27,17 @@ from ..conf import harness
 from ..outage import DATABASE_DOWN, OutageWatch, retry_while_down
 from ..models import InboundState, Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
-from . import checkpoint, inbox, lease as leases, results, scheduler, states, wal
+from . import checkpoint, inbox, lease as leases, preemption, results, scheduler, states, wal
 from ..primitives.cancellation import CancellationToken, Cancelled
 from .context import LimitExceeded, StepContext, WaitForEvent
 from .lease import Lease, LeaseLost
 from .wal import AmbiguousEffect, EffectFailed
 from .events import append_event
+from .preemption import top_finished
 
 log = logging.getLogger(__name__)
+
+PREEMPTED = "preempted"  # the cancellation reason of a step interrupted by a preempt event
 
 RETRY_BACKOFF_BASE_SECONDS = 0.5
 RETRY_BACKOFF_MAX_SECONDS = 30.0
@@ -103,7 +106,10 @@ class Supervisor(threading.Thread):
                         # end (and give up its lease) at any moment.
                         acknowledge(lease, row["control"])
                         self.runner.request(row["control"])
-                    self.runner.inbox_signal = row["inbox_seq"]  # the runner consumes at its next resume point
+                    if row["inbox_seq"] != self.runner.inbox_signal:
+                        self.runner.inbox_signal = row["inbox_seq"]  # the runner consumes at its next resume point
+                        if inbox.preempt_pending(lease.task_id):
+                            self.runner.request_preempt()
                     if self.runner.control:
                         self.publish_activities()
                     if time.monotonic() >= next_beat:
@@ -192,6 +198,12 @@ class Runner:
         # steps that asked to wait in this run (the task goes `waiting` when nothing else runs).
         self.waits: dict[str, dict] = {}
         self.parked: dict[str, dict] = {}
+        # Preemption (engine/preemption.py): the contexts of the steps in flight (cancelled
+        # when a preempt arrives), and the steps it interrupted (recorded in the frame).
+        self.flights: dict[str, StepContext] = {}
+        self.preempting = False
+        self.preempt_seen_at = None
+        self.interrupted: list[str] = []
 
     # --- signals from the supervisor ------------------------------------------------
     def request(self, control: str) -> bool:
@@ -219,6 +231,17 @@ class Runner:
     def lose_lease(self) -> None:
         self.lease_lost = True
         self.token.cancel("lease lost")
+
+    def request_preempt(self) -> None:
+        """A preempt is pending: cancel the steps in flight (P0); the loop starts nothing new
+        and applies it once they have wound down."""
+        if self.preempting:
+            return
+        self.preempting, self.preempt_seen_at = True, timezone.now()
+        flights = list(self.flights.values())
+        log.info("preempt: interrupting %d step(s) in flight", len(flights), extra={"task_id": self.lease.task_id})
+        for ctx in flights:
+            ctx.token.cancel(PREEMPTED)
 
     def diverge(self, why: str, effects: list) -> None:
         """The database lost checkpoints this run had committed (checkpoint.CheckpointDiverged):
@@ -276,11 +299,15 @@ class Runner:
         in_flight: dict[Future, InFlight] = {}
         try:
             while True:
+                if top_finished(self.plan) and not self.lease_lost and not self.diverged:
+                    self.pop_frame()
                 halt = self.halt_reason()
-                if not halt and self.inbox_due():
+                # A preempt waits for the steps in flight to wind down: that is its resume point.
+                held = self.preempting and bool(in_flight)
+                if not halt and not held and self.inbox_due():
                     self.consume_inbox()  # a resume point: before the next steps start
                     halt = self.halt_reason()
-                if not halt and self.submit_ready(pool, in_flight):
+                if not halt and not held and self.submit_ready(pool, in_flight):
                     continue  # a step ran on this thread: look again at once
                 if not in_flight:
                     if halt or self.all_done() or not self.waiting_for_retry():
@@ -313,28 +340,46 @@ class Runner:
         """Apply the pending inbox events (P1 and below) as one checkpoint (checkpoint.commit_events)."""
         signal, now = self.inbox_signal, timezone.now()
         events = inbox.due(self.lease.task_id, now, self.awaited)
-        consumed, accepted = [], []
+        consumed, accepted, stack = [], [], None
         for event in events:
-            applied = inbox.apply(self.task_type, event, now)
+            frame = None
+            if event.type == "preempt":
+                depth = len(stack if stack is not None else self.plan.stack)
+                applied, frame = preemption.apply(self.task_type, event, self.params, self.plan, depth=depth,
+                                                  interrupted=self.interrupted, seen_at=self.preempt_seen_at)
+            else:
+                applied = inbox.apply(self.task_type, event, now)
             if applied.add_steps:
                 try:
                     self.plan.validate_growth(f"{inbox.INBOX_ADDER}{event.seq}", accepted + applied.add_steps)
                     accepted.extend(applied.add_steps)
                 except checkpoint.InvalidPlanGrowth as exc:
-                    applied = inbox.Applied(f"rejected: {exc}", state=InboundState.REJECTED)
+                    applied, frame = inbox.Applied(f"rejected: {exc}", state=InboundState.REJECTED), None
+            if frame is not None:
+                stack = [*(stack if stack is not None else self.plan.stack), frame]
             consumed.append((event, applied))
         if consumed:
             try:
-                checkpoint.commit_events(lease=self.lease, plan=self.plan, consumed=consumed)
+                checkpoint.commit_events(lease=self.lease, plan=self.plan, consumed=consumed, stack=stack)
             except LeaseLost:
                 self.lose_lease()
                 return
             log.info("inbox: %d event(s) consumed", len(consumed), extra={"task_id": self.lease.task_id})
+        if self.preempting and not any(e.type == "preempt" for e in events):
+            pass  # the preempt is not visible to this resume point yet: keep holding
+        elif self.preempting:
+            self.preempting, self.interrupted = False, []
         self.inbox_consumed_at = signal
         self.inbox_next_at = None if len(events) == inbox.CONSUMED_PER_RESUME_POINT else inbox.next_visible(
             self.lease.task_id, self.awaited)
         if len(events) == inbox.CONSUMED_PER_RESUME_POINT:
             self.inbox_consumed_at = -1  # more are waiting: the next resume point takes them
+
+    def pop_frame(self) -> None:
+        try:
+            preemption.pop(self.lease, self.plan)
+        except LeaseLost:
+            self.lose_lease()
 
     def recorded_wait(self, step_id: str, event_type: str) -> datetime | None:
         """The deadline of `step_id`'s wait for `event_type`, if an earlier run recorded one."""
@@ -391,7 +436,8 @@ class Runner:
         now = time.monotonic()
         # The ready queue holds pending steps whose dependencies are finished (a skipped
         # dependency counts: dependants that do not run after skipped steps were skipped with it).
-        ready = self.plan.take_ready(capacity, lambda sid: self.not_before.get(sid, 0) <= now)
+        ready = self.plan.take_ready(capacity, lambda sid: self.not_before.get(sid, 0) <= now
+                                     and preemption.runs_now(self.plan, sid))
         alone = self.watched and len(ready) == 1 and not in_flight and not self.plan.has_ready()
         for step_id in ready:
             deps = self.plan.depends_on[step_id]
@@ -401,6 +447,8 @@ class Runner:
                               lease=self.lease, token=self.token.child(step_id), runner=self,
                               generation=self.plan.generations.get(step_id, 0))
             flight = InFlight(step_id, ctx, timezone.now())
+            self.flights[step_id] = ctx
+            self.plan.running.add(step_id)
             if alone:
                 self.settle(self.execute_here(ctx), flight)
                 return True
@@ -430,15 +478,21 @@ class Runner:
     def settle(self, future: Future, flight: InFlight) -> None:
         ctx, step_id = flight.ctx, flight.step_id
         self.token.discard_child(ctx.token)
+        self.flights.pop(step_id, None)
+        self.plan.running.discard(step_id)
         extra = {"task_id": self.lease.task_id, "step_id": step_id, "lease_epoch": self.lease.epoch}
         try:
             result = future.result()
         except LeaseLost:
             self.lose_lease()
             return
-        except Cancelled:
+        except Cancelled as exc:
             if ctx.completed_effects and not self.lease_lost:
                 self.record_failure(flight, "cancelled", retrying=True)
+            if exc.reason == PREEMPTED and not self.token.cancelled:
+                # Interrupted for an urgent subtask: it runs again once the frame is popped.
+                self.interrupted.append(step_id)
+                self.plan.requeue(step_id)
             return
         except WaitForEvent as wait:
             # Not a failure: the step runs again when the event comes (or its deadline passes).
@@ -459,7 +513,13 @@ class Runner:
             if ctx.completed_effects:  # earlier effects of this step did happen: commit their `done`
                 self.record_failure(flight, str(exc), retrying=True)
             return
-        except Exception as exc:  # the step's own failure: retry with backoff, then fail the task
+        except Exception as exc:
+            if ctx.token.reason == PREEMPTED and not self.token.cancelled:
+                # Its tool gave up because the token was cancelled: an interruption, not a failure.
+                self.record_failure(flight, f"interrupted by a preempt: {type(exc).__name__}: {exc}", retrying=True)
+                self.interrupted.append(step_id)
+                return
+            # The step's own failure: retry with backoff, then its failure policy.
             attempts = self.plan.attempts.get(step_id, 0) + 1
             cause = exc.error if isinstance(exc, EffectFailed) else exc
             fingerprint = failure_fingerprint(cause)

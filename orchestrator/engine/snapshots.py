@@ -13,7 +13,8 @@ older is deleted, so a task at rest keeps exactly KEEP rows.
 
 The state of a version (what `materialize` returns and the API shows):
     {"params", "limits", "status", "steps": {step_id: status}, "counters": {...},
-     "generations": {step_id: n} (only steps re-run after an edit), "added_by": {step_id: adder}}
+     "generations": {step_id: n} (only steps re-run after an edit), "added_by": {step_id: adder},
+     "stack": [frame, ...] (the task stack, engine/preemption.py; a delta carries it when it changed)}
 """
 import json
 
@@ -23,7 +24,7 @@ from django.utils import timezone
 from ..conf import harness
 from ..models import Snapshot, Task
 
-REPLACED_KEYS = ("params", "limits", "status", "counters", "generations")
+REPLACED_KEYS = ("params", "limits", "status", "counters", "generations", "stack")
 
 
 def apply_delta(state: dict, delta: dict) -> dict:

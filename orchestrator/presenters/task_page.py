@@ -69,6 +69,7 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
         "events_shown": EVENTS_SHOWN,
         "audit": list(task.audit_entries.select_related("actor").all()[:AUDIT_SHOWN]),
         "inbox": list(task.inbox.order_by("-seq")[:INBOX_SHOWN]),
+        "stack_top_first": list(reversed(task.stack or [])),
         "sendable_types": sendable_types(task),
         # The same id until the inbox moves on: a double click sends one event (the inbox
         # dedupes it); once the event is in, the page re-renders with the next id.

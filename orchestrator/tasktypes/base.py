@@ -21,6 +21,9 @@ class StepSpec:
     # Run even when a dependency was skipped (ctx.skipped says which, with their errors);
     # otherwise a skipped dependency skips this step too.
     runs_after_skipped: bool = False
+    # Steps added at run time only: pending steps that must wait for this one (they then
+    # depend on it and see its result in ctx.deps), e.g. a summary that must use a re-parse.
+    before: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.on_failure not in ("", *FAILURE_POLICIES):
@@ -62,6 +65,20 @@ class TaskType:
         return inbox.Applied(outcome, add_steps=[StepSpec...]) — committed, with the steps,
         in the consumption's checkpoint."""
         raise NotImplementedError(f"{self.name} lists event types but does not handle them")
+
+    # Urgent subtasks a `preempt` event may name (engine/preemption.py): name -> what it does.
+    subtasks: ClassVar[dict[str, str]] = {}
+
+    def plan_subtask(self, name: str, args: dict, params: BaseModel, event_seq: int) -> list[StepSpec]:
+        """The steps of the urgent subtask `name` (one of `subtasks`), run before anything
+        else of the task; raise ValueError with a message a person can act on when `args`
+        do not make sense. Step ids must be new to the plan (`event_seq` helps)."""
+        raise NotImplementedError(f"{self.name} declares subtasks but does not plan them")
+
+    def frame_references(self, params: BaseModel) -> dict:
+        """What a suspended frame holds on to outside the database (resources, temporary
+        files and their cleanup policy), recorded in the frame so an operator sees it."""
+        return {}
 
     def regenerate_added_steps(self, old_params: dict, new_params: dict) -> bool:
         """After a parameter edit: should the steps that steps added at run time be dropped

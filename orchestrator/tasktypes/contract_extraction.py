@@ -193,7 +193,9 @@ def _month(token: str) -> int:
     return _MONTHS[token.rstrip(".")]
 
 
-def extract_dates(text: str) -> list[str]:
+def extract_dates(text: str, *, ambiguous: list | None = None) -> list[str]:
+    """ISO dates found in `text`. With `ambiguous` (the strict extractor), an all-numeric date
+    whose day and month could be swapped (10/01/2024) is not guessed: it goes there instead."""
     dates = []
     for m in _DATE_RE.finditer(text):
         g = m.groupdict()
@@ -207,6 +209,9 @@ def extract_dates(text: str) -> list[str]:
             y, mo, d = int(g["us_y"]), int(g["us_m"]), int(g["us_d"])
         else:
             y, mo, d = int(g["eu_y"]), int(g["eu_m"]), int(g["eu_d"])
+        if ambiguous is not None and (g["us_y"] or g["eu_y"]) and mo <= 12 and d <= 12 and mo != d:
+            ambiguous.append(f"date {m.group(0)}: day and month order unknown")
+            continue
         try:
             dates.append(_dt.date(y, mo, d).isoformat())
         except ValueError:
@@ -254,26 +259,38 @@ def _unique(items) -> list:
     return out
 
 
-def extract(text: str) -> dict:
-    """Parties, ISO dates and amounts found in a contract text (see module docstring)."""
-    return {
+EXTRACTORS = ("default", "strict")
+
+
+def extract(text: str, extractor: str = "default") -> dict:
+    """Parties, ISO dates and amounts found in a contract text (see module docstring).
+
+    The strict extractor guesses nothing: an all-numeric date that reads two ways is listed
+    under `ambiguous` (for a person to settle) instead of being read month-first or day-first."""
+    if extractor not in EXTRACTORS:
+        raise ValueError(f"unknown extractor {extractor!r}; use one of {', '.join(EXTRACTORS)}")
+    ambiguous: list[str] | None = [] if extractor == "strict" else None
+    found = {
         "parties": extract_parties(text),
-        "dates": extract_dates(text),
+        "dates": extract_dates(text, ambiguous=ambiguous),
         "amounts": extract_amounts(text),
     }
+    if ambiguous is not None:
+        found["ambiguous"] = _unique(ambiguous)
+    return found
 
 
 class MalformedContract(ValueError):
     """A contract the extractor cannot read: not UTF-8 text, or no parties in it."""
 
 
-def read_contract(path: Path) -> dict:
+def read_contract(path: Path, extractor: str = "default") -> dict:
     """Extract one contract file; raise MalformedContract when it is not a readable contract."""
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise MalformedContract(f"{path.name} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    found = extract(text)
+    found = extract(text, extractor)
     if not found["parties"]:
         raise MalformedContract(f"{path.name}: no parties found (expected a 'between X and Y' clause or a "
                                 f"numbered list of parties)")

@@ -247,3 +247,34 @@ def test_a_viewer_sees_no_controls_even_as_live_updates_arrive(stack, new_page, 
     expect(page.locator("[data-action]")).to_have_count(0)
     for button in BUTTONS:
         expect(page.get_by_test_id(button)).to_have_count(0)
+
+
+def test_operator_preempts_a_contracts_batch_from_the_task_page_and_it_continues_after_the_subtask(
+        stack, new_page, make_user):
+    """The send form's `preempt`: the stack card shows the frame while contract 5 is
+    re-parsed; the batch then continues and completes, every contract once."""
+    make_user("olga", "operator")
+    task = services.task_create(type="demo.contracts", params={"count": 20, "pace_seconds": 1.0},
+                                limits={"max_subtasks": 1})
+    page = new_page("olga")
+    page.goto(f"/tasks/{task.pk}/")
+    stack.start_workers(1)
+    expect(page.locator('[data-live="steps"]')).to_have_text("8 / 21", timeout=LIVE)
+    page.get_by_test_id("send-type").select_option("preempt")
+    page.locator('form[data-testid="send-event-form"] input[name="payload"]').fill(
+        '{"subtask": "reparse", "args": {"contract": 5, "extractor": "strict"}, "reason": "strict re-parse first"}')
+    page.get_by_test_id("btn-send-event").click()
+    expect(page.get_by_test_id("message")).to_contain_text("(preempt, P0) sent")
+    frame = page.get_by_test_id("stack-frame")
+    expect(frame).to_be_visible(timeout=30_000)
+    expect(frame).to_contain_text("reparse: strict re-parse first")
+    expect(frame).to_contain_text("Runs now")
+    expect(header_badge(page)).to_have_text("completed", timeout=LIVE)
+    expect(page.get_by_test_id("task-stack")).to_have_count(0)
+    expect(page.locator('[data-live="steps"]')).to_have_text("22 / 22")
+    rows = page.get_by_test_id("inbox-table")
+    expect(rows.locator('tr[data-state="consumed"]', has_text="pushed frame 1")).to_have_count(1)
+    expect(rows.locator('tr', has_text="subtask.done")).to_have_count(1)
+    done = in_thread(lambda: list(TaskEvent.objects.filter(task_id=task.pk, kind="step_done")
+                                  .values_list("payload__step", flat=True)))
+    assert len(done) == 22 and len(set(done)) == 22  # nothing done twice
