@@ -17,8 +17,8 @@ What this layer adds to `openai.OpenAI`:
   attempts, cancellable waits) instead of the package's, so every retry is logged and a
   cancellation is not held up by a back-off;
 - cancellation: a `CancellationToken` (or any callable returning True when the call should
-  stop) closes the HTTP response from the cancelling side at once, and the partial answer is
-  handed back in `LLMCancelled.partial`;
+  stop, polled every 20 ms) shuts the stream's socket at once, so even a read blocked on a
+  slow server ends within milliseconds; the partial answer is in `LLMCancelled.partial`;
 - errors a person can act on: `LLMUnavailable`, `LLMRequestRejected`, `LLMStreamCut`,
   `LLMBadResponse`, `LLMCancelled` (all `LLMError`; each says what to check).
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -265,6 +266,22 @@ class _CancelWatch:
         self._unregister()
 
 
+def _abort_stream(stream) -> None:
+    """Stop a stream now, from any thread. `Stream.close()` alone does not wake a read that
+    is blocked waiting for the next chunk (measured: it ends only when that chunk comes), so
+    the socket is shut down first, through the transport's documented `network_stream`
+    response extension; the blocked read then fails at once."""
+    response = getattr(stream, "response", None)
+    network_stream = (getattr(response, "extensions", None) or {}).get("network_stream")
+    sock = network_stream.get_extra_info("socket") if network_stream is not None else None
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # already closed by the server or by an earlier abort
+            pass
+    stream.close()
+
+
 def _close_quietly(close: Callable[[], None]) -> None:
     try:
         close()
@@ -482,7 +499,7 @@ class LLMClient:
 
     def _consume(self, stream, request: dict, watch: _CancelWatch, on_token, attempt: int) -> Completion:
         assembly = _Assembly(request)
-        watch.arm(stream.close)
+        watch.arm(lambda: _abort_stream(stream))
         try:
             for chunk in stream:
                 if watch.is_set():

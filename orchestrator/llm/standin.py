@@ -699,6 +699,11 @@ class _StandinHTTPServer(ThreadingHTTPServer):
         self._arrivals: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    def handle_error(self, request, client_address) -> None:
+        # A client that hangs up (a cancelled stream, a closed keep-alive connection) is
+        # ordinary here, not worth a traceback on stderr.
+        logger.debug("standin connection error", exc_info=True, extra={"standin_client": str(client_address)})
+
     def record(self, request: SeenRequest) -> SeenRequest:
         with self._lock:
             self.requests.append(request)
