@@ -119,6 +119,14 @@ def test_a_cut_stream_raises_llm_stream_cut_with_the_partial_answer(make_client)
     assert "partial answer is kept" in str(failure.value)
 
 
+def test_a_server_that_stalls_past_the_read_timeout_is_a_cut_stream(make_client):
+    started = time.monotonic()
+    with pytest.raises(LLMStreamCut) as failure:
+        make_client(model=STANDIN_MODEL + "+slow=2").chat(ask("Stall after the first word"), timeout=0.2)
+    assert time.monotonic() - started < 1.5  # not the 2 s until the next token
+    assert "read timeout" in str(failure.value) and failure.value.partial.content
+
+
 def test_a_cut_inside_tool_call_arguments_drops_the_incomplete_call(make_client):
     with pytest.raises(LLMStreamCut) as failure:
         make_client(model=STANDIN_MODEL + "+cut").chat(ask(GOAL), tools=contract_tools())
