@@ -183,6 +183,21 @@ EMAIL_PORT = int(os.environ.get("EMAIL_PORT", "1025"))
 EMAIL_TIMEOUT = float(os.environ.get("EMAIL_TIMEOUT", "30"))
 DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "orchestrator@localhost")
 
+# --- The model (orchestrator/llm) ------------------------------------------------------
+# Any OpenAI-compatible Chat Completions server. The defaults point at the stand-in model
+# server (`manage.py standin_llm`, started by `make run`), which plans with rules: a
+# stand-in for a real model, so that everything runs offline. README "Models".
+LLM_BASE_URL = os.environ.get("LLM_BASE_URL", "http://127.0.0.1:8011/v1")
+LLM_API_KEY = os.environ.get("LLM_API_KEY", "standin")
+LLM_MODEL = os.environ.get("LLM_MODEL", "standin-planner")
+LLM_CONNECT_TIMEOUT = float(os.environ.get("LLM_CONNECT_TIMEOUT", "5"))
+# The longest silence accepted while waiting for the next streamed chunk (not the whole call).
+LLM_READ_TIMEOUT = float(os.environ.get("LLM_READ_TIMEOUT", "60"))
+# Attempts per call when the server answers 429/5xx or cannot be reached (1 = no retry).
+LLM_MAX_ATTEMPTS = int(os.environ.get("LLM_MAX_ATTEMPTS", "4"))
+# The stand-in's pace: seconds per streamed token.
+LLM_STANDIN_TOKEN_SECONDS = float(os.environ.get("LLM_STANDIN_TOKEN_SECONDS", "0.005"))
+
 # --- Request limits -------------------------------------------------------------------
 # The largest request body accepted (bytes); a bigger API request gets 413 with a JSON
 # message saying the limit. Django's own limit for form and JSON bodies follows it.

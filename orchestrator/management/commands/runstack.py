@@ -1,11 +1,13 @@
-"""`make run`: the web server (daphne), the worker cluster and the sweeper, together.
-Ctrl-C (or SIGTERM) stops all of them."""
+"""`make run`: the web server (daphne), the worker cluster, the sweeper and — while
+LLM_BASE_URL points at it — the stand-in model server, together. Ctrl-C (or SIGTERM) stops
+all of them."""
 import os
 import secrets
 import signal
 import subprocess
 import sys
 import time
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -27,11 +29,19 @@ class Command(BaseCommand):
             "workers": [python, manage, "qcluster"],
             "sweeper": [python, manage, "recover", "--loop"],
         }
+        standin_port = standin_port_to_start(settings.LLM_BASE_URL, settings.LLM_MODEL)
+        if standin_port is not None:
+            commands["model"] = [python, manage, "standin_llm", "--port", str(standin_port)]
         # Each in its own process group, so that stopping reaches all of a program's
         # processes (the worker cluster is several) and nothing is left running.
         procs = {name: subprocess.Popen(argv, cwd=settings.BASE_DIR, start_new_session=True)
                  for name, argv in commands.items()}
         self.stdout.write(self.style.SUCCESS(f"Orchestrator running at http://{host}:{port}/  (Ctrl-C stops everything)"))
+        if standin_port is None:
+            self.stdout.write(f"Model: {settings.LLM_MODEL} at {settings.LLM_BASE_URL}")
+        else:
+            self.stdout.write(f"Model: the stand-in at {settings.LLM_BASE_URL} (rules, not a real model; "
+                              f"set LLM_BASE_URL for a real one)")
         stopping = False
 
         def stop(*_):
@@ -71,6 +81,15 @@ class Command(BaseCommand):
         write_private(credentials, f"username: admin\npassword: {password}\n")
         self.stdout.write(self.style.WARNING(
             f"Created the first user: admin / {password}  (also saved in {credentials})"))
+
+
+def standin_port_to_start(base_url: str, model: str) -> int | None:
+    """The port to serve the stand-in model server on, or None when LLM_BASE_URL/LLM_MODEL
+    name another server (a real model, or a local one such as Ollama on 127.0.0.1)."""
+    parts = urlsplit(base_url)
+    if parts.hostname not in ("127.0.0.1", "localhost") or not model.startswith("standin"):
+        return None
+    return parts.port or 80
 
 
 def write_private(path, text: str) -> None:

@@ -1,0 +1,671 @@
+"""One streamed Chat Completions call to an OpenAI-compatible server, through the official
+`openai` package, with what a durable agent needs around it.
+
+    completion = chat(messages, tools=[function_tool("contracts.read", "...", schema)],
+                      max_tokens_cap=2000, on_token=print, cancel=ctx.token)
+    history.append(completion.assistant_message())
+    for call in completion.tool_calls:          # call.arguments is the raw JSON string
+        history.append(tool_result_message(call.id, run(call)))
+
+What this layer adds to `openai.OpenAI`:
+- it always streams (`stream_options.include_usage`) and assembles the content and the
+  tool-call fragments (keyed by `index`) into one `Completion`; when the server sends no
+  usage, the usage is estimated (characters / 4) and flagged `estimated=True`;
+- `max_completion_tokens` is sent; a server that rejects it (HTTP 400 naming the parameter)
+  gets `max_tokens` instead, once, and is remembered as such per base URL;
+- its own retry policy (`RetryPolicy`: 429/5xx/unreachable, honouring `Retry-After`, bounded
+  attempts, cancellable waits) instead of the package's, so every retry is logged and a
+  cancellation is not held up by a back-off;
+- cancellation: a `CancellationToken` (or any callable returning True when the call should
+  stop, polled every 20 ms) shuts the stream's socket at once, so even a read blocked on a
+  slow server ends within milliseconds; the partial answer is in `LLMCancelled.partial`;
+- errors a person can act on: `LLMUnavailable`, `LLMRequestRejected`, `LLMStreamCut`,
+  `LLMBadResponse`, `LLMCancelled` (all `LLMError`; each says what to check).
+
+A partial answer (stream cut or cancelled) keeps its text and drops the tool calls whose
+arguments are not complete JSON (AGENT.md "Interruption"); its usage is estimated unless
+the server had already sent it. A complete answer keeps every tool call as the model sent
+it, malformed arguments included: the agent returns the parse error to the model.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
+from typing import Any, Protocol
+
+import openai
+
+from ..primitives.cancellation import Cancelled
+
+logger = logging.getLogger(__name__)
+
+# Servers known to reject `max_completion_tokens` (base URLs). Process-wide on purpose: the
+# parameter a server understands does not change between calls, so only the first call to
+# such a server pays for the rejected request.
+_LEGACY_TOKEN_PARAMETER_SERVERS: set[str] = set()
+_LEGACY_LOCK = threading.Lock()
+
+# The usual rule of thumb when no tokenizer is at hand (one that needs a download is not
+# available offline): about four characters per token.
+CHARACTERS_PER_TOKEN = 4
+
+
+# --- results ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call as the model sent it; `arguments` is the raw JSON text, unparsed."""
+    id: str
+    name: str
+    arguments: str
+
+    def parsed_arguments(self) -> dict:
+        """The arguments as a dict; ValueError (with a message fit to send back to the model
+        as the tool result) when they are not a JSON object."""
+        try:
+            value = json.loads(self.arguments or "{}")
+        except ValueError as exc:
+            raise ValueError(f"The arguments of {self.name} are not valid JSON ({exc}): "
+                             f"{self.arguments[:200]!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"The arguments of {self.name} must be a JSON object, got {type(value).__name__}")
+        return value
+
+    def arguments_are_complete(self) -> bool:
+        try:
+            json.loads(self.arguments or "{}")
+        except ValueError:
+            return False
+        return True
+
+    def wire_format(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    # True when the server sent no usage (an interrupted stream, or a server that does not
+    # report it) and these numbers are characters / 4.
+    estimated: bool = False
+
+
+@dataclass
+class Completion:
+    content: str
+    tool_calls: list[ToolCall]
+    finish_reason: str | None  # "stop", "tool_calls", "length", ...; None if the stream ended early
+    usage: Usage
+    model: str
+    response_id: str | None = None
+    stream_cut: bool = False   # the stream ended before the server finished the message
+    cancelled: bool = False    # the caller's cancel hook ended it
+    # Tool calls of a partial answer whose arguments were incomplete JSON (not in tool_calls).
+    dropped_tool_calls: list[ToolCall] = field(default_factory=list)
+    attempts: int = 1
+
+    @property
+    def partial(self) -> bool:
+        return self.stream_cut or self.cancelled
+
+    def assistant_message(self) -> dict:
+        """The assistant message to append to the history (wire format). Every tool call in
+        it must be answered by one `tool` message (`tool_result_message`) before the next
+        call, or servers refuse the conversation."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+        if self.tool_calls:
+            message["tool_calls"] = [call.wire_format() for call in self.tool_calls]
+        return message
+
+
+def tool_result_message(tool_call_id: str, content: str | dict | list) -> dict:
+    """The `tool` message answering one tool call (non-string content is sent as JSON)."""
+    text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+    return {"role": "tool", "tool_call_id": tool_call_id, "content": text}
+
+
+def function_tool(name: str, description: str, parameters: dict | None = None) -> dict:
+    """A tool offered to the model, in the Chat Completions `tools` format."""
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": parameters or {"type": "object", "properties": {}}}}
+
+
+# --- errors ----------------------------------------------------------------------------
+
+class LLMError(Exception):
+    """A model call that did not produce a complete answer. `partial` is what had arrived
+    (a Completion flagged stream_cut/cancelled), when anything had."""
+
+    def __init__(self, message: str, *, base_url: str = "", status_code: int | None = None,
+                 attempts: int = 0, partial: Completion | None = None):
+        super().__init__(message)
+        self.base_url, self.status_code, self.attempts, self.partial = base_url, status_code, attempts, partial
+
+
+class LLMUnavailable(LLMError):
+    """The server could not be reached, or kept answering 429/5xx until the attempts ran out."""
+
+
+class LLMRequestRejected(LLMError):
+    """The server refused the request itself (400, 401, 403, 404, ...): retrying will not help."""
+
+
+class LLMStreamCut(LLMError):
+    """The stream ended (connection closed or silent past the read timeout) before the
+    server finished the message; `partial` holds what arrived."""
+
+
+class LLMBadResponse(LLMError):
+    """The server sent something that is not a Chat Completions stream."""
+
+
+class LLMCancelled(LLMError, Cancelled):
+    """The caller cancelled the call; `partial` holds what had arrived. Also a `Cancelled`,
+    so step code that already handles cancellation handles this too."""
+
+    def __init__(self, message: str, *, reason: str, **kwargs):
+        LLMError.__init__(self, message, **kwargs)
+        self.reason = reason
+
+
+# --- cancellation ----------------------------------------------------------------------
+
+class CancelToken(Protocol):
+    """What this module needs of orchestrator.primitives.cancellation.CancellationToken."""
+    cancelled: bool
+    reason: str | None
+
+    def on_cancel(self, callback: Callable[[str], None]) -> Callable[[], None]: ...
+
+
+CancelHook = CancelToken | Callable[[], bool] | None
+
+
+class _CancelWatch:
+    """Normalises the cancel hook. With a token the stream is closed by the cancelling
+    thread itself (no polling); a plain callable is polled every POLL_SECONDS by a watcher
+    thread while a stream is open, so a slow stream is cut promptly in both cases."""
+
+    POLL_SECONDS = 0.02
+
+    def __init__(self, hook: CancelHook):
+        self.hook = hook
+        self._fired = threading.Event()
+        self._reason = "cancelled"
+        self._close: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+        self._unregister: Callable[[], None] = lambda: None
+        self._token = hook if hook is not None and hasattr(hook, "on_cancel") else None
+        if self._token is not None:
+            self._unregister = self._token.on_cancel(self._fire)
+
+    def _fire(self, reason: str = "cancelled") -> None:
+        with self._lock:
+            self._reason = reason or "cancelled"
+            self._fired.set()
+            close = self._close
+        if close is not None:
+            _close_quietly(close)
+
+    def is_set(self) -> bool:
+        if not self._fired.is_set() and self._token is None and self.hook is not None and self.hook():
+            self._fire("cancelled by the caller")
+        return self._fired.is_set()
+
+    @property
+    def reason(self) -> str:
+        return self._reason
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to `seconds`, waking early on cancellation; True if cancelled."""
+        if self._token is not None or self.hook is None:
+            return self._fired.wait(seconds)
+        deadline = time.monotonic() + seconds
+        while not self.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(self.POLL_SECONDS, remaining))
+        return True
+
+    def arm(self, close: Callable[[], None]) -> None:
+        """Close the open stream with `close` as soon as the call is cancelled."""
+        with self._lock:
+            self._close = close
+            fired = self._fired.is_set()
+        if fired:
+            _close_quietly(close)
+        elif self._token is None and self.hook is not None:
+            threading.Thread(target=self._poll, args=(close,), name="llm-cancel-watch", daemon=True).start()
+
+    def _poll(self, close) -> None:
+        while True:
+            with self._lock:
+                if self._close is not close:
+                    return  # disarmed: that stream is over
+            if self.is_set():
+                return
+            time.sleep(self.POLL_SECONDS)
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._close = None
+
+    def release(self) -> None:
+        self.disarm()
+        self._unregister()
+
+
+def _abort_stream(stream) -> None:
+    """Stop a stream now, from any thread. `Stream.close()` alone does not wake a read that
+    is blocked waiting for the next chunk (measured: it ends only when that chunk comes), so
+    the socket is shut down first, through the transport's documented `network_stream`
+    response extension; the blocked read then fails at once."""
+    response = getattr(stream, "response", None)
+    network_stream = (getattr(response, "extensions", None) or {}).get("network_stream")
+    sock = network_stream.get_extra_info("socket") if network_stream is not None else None
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # already closed by the server or by an earlier abort
+            pass
+    stream.close()
+
+
+def _close_quietly(close: Callable[[], None]) -> None:
+    try:
+        close()
+    except Exception:  # closing a response that is already broken must not mask why
+        logger.debug("closing the model stream failed", exc_info=True)
+
+
+# --- retries ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When a call is tried again. Delays double from `base_delay` up to `max_delay`; a
+    server's `Retry-After` (or `retry-after-ms`) wins when it asks for longer, unless it asks
+    for more than `max_retry_after`, in which case the call gives up at once and says so."""
+    max_attempts: int = 4
+    base_delay: float = 0.5
+    max_delay: float = 8.0
+    max_retry_after: float = 60.0
+    retry_statuses: frozenset[int] = frozenset({408, 409, 429, 500, 502, 503, 504})
+
+    def backoff(self, attempt: int) -> float:
+        return min(self.max_delay, self.base_delay * (2 ** (attempt - 1)))
+
+
+def retry_after_seconds(headers) -> float | None:
+    """The wait a 429/503 asks for: `retry-after-ms`, else `Retry-After` as seconds (fractions
+    accepted) or an HTTP date; None when absent or unreadable."""
+    if headers is None:
+        return None
+    milliseconds = headers.get("retry-after-ms")
+    if milliseconds:
+        try:
+            return max(0.0, float(milliseconds) / 1000)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+class _Retry(Exception):
+    """Internal: this attempt failed in a way worth another attempt."""
+
+    def __init__(self, reason: str, *, status_code: int | None = None, retry_after: float | None = None):
+        super().__init__(reason)
+        self.reason, self.status_code, self.retry_after = reason, status_code, retry_after
+
+
+# --- the client ------------------------------------------------------------------------
+
+class LLMClient:
+    """A configured connection to one OpenAI-compatible server. Thread-safe: one instance
+    may serve many concurrent calls (the underlying HTTP client pools connections)."""
+
+    def __init__(self, *, base_url: str, api_key: str, model: str, connect_timeout: float = 5.0,
+                 read_timeout: float = 60.0, retry: RetryPolicy | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.retry = retry or RetryPolicy()
+        # max_retries=0: the package's own retries would sleep without looking at the cancel
+        # hook and without logging; RetryPolicy does both.
+        self._openai = openai.OpenAI(base_url=self.base_url, api_key=api_key or "none", max_retries=0,
+                                     timeout=self._timeout(read_timeout))
+
+    @classmethod
+    def from_settings(cls) -> "LLMClient":
+        from django.conf import settings
+
+        return cls(base_url=settings.LLM_BASE_URL, api_key=settings.LLM_API_KEY, model=settings.LLM_MODEL,
+                   connect_timeout=settings.LLM_CONNECT_TIMEOUT, read_timeout=settings.LLM_READ_TIMEOUT,
+                   retry=RetryPolicy(max_attempts=max(1, settings.LLM_MAX_ATTEMPTS)))
+
+    def close(self) -> None:
+        self._openai.close()
+
+    def _timeout(self, read_timeout: float) -> openai.Timeout:
+        # `read` bounds the silence between two chunks, not the whole call: a long answer
+        # that keeps streaming is fine, a server that stalls is not.
+        return openai.Timeout(read_timeout, connect=self.connect_timeout)
+
+    @property
+    def uses_legacy_token_parameter(self) -> bool:
+        with _LEGACY_LOCK:
+            return self.base_url in _LEGACY_TOKEN_PARAMETER_SERVERS
+
+    def chat(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None, model: str | None = None,
+             temperature: float | None = None, max_tokens_cap: int | None = None,
+             on_token: Callable[[str], None] | None = None, cancel: CancelHook = None,
+             timeout: float | None = None, tool_choice: str | dict | None = None) -> Completion:
+        """Stream one assistant message. `messages`/`tools` are in the Chat Completions wire
+        format; `max_tokens_cap` caps the completion (sent as `max_completion_tokens`, or
+        `max_tokens` to servers that only know that); `on_token(piece)` receives each piece of
+        content text as it arrives; `cancel` is a CancellationToken or a callable returning
+        True to stop; `timeout` overrides the read timeout (seconds of silence allowed).
+
+        Returns a complete Completion, or raises an LLMError subclass (see the module doc)."""
+        model = model or self.model
+        watch = _CancelWatch(cancel)
+        request: dict[str, Any] = {"model": model, "messages": list(messages), "stream": True,
+                                   "stream_options": {"include_usage": True}}
+        if tools:
+            request["tools"] = list(tools)
+        if tool_choice is not None:
+            request["tool_choice"] = tool_choice
+        if temperature is not None:
+            request["temperature"] = temperature
+        started = time.monotonic()
+        attempt = 0
+        try:
+            while True:
+                attempt += 1
+                if watch.is_set():
+                    raise LLMCancelled(f"The model call was cancelled ({watch.reason}) before attempt {attempt}.",
+                                       reason=watch.reason, base_url=self.base_url, attempts=attempt - 1)
+                try:
+                    stream = self._open_stream(request, max_tokens_cap, timeout, attempt)
+                    completion = self._consume(stream, request, watch, on_token, attempt)
+                except _Retry as retry:
+                    delay = self._delay_or_give_up(retry, attempt, model)
+                    logger.warning("model call failed, retrying", extra={
+                        "llm_base_url": self.base_url, "llm_model": model, "llm_attempt": attempt,
+                        "llm_reason": retry.reason, "llm_status": retry.status_code,
+                        "llm_retry_in_seconds": round(delay, 3)})
+                    if watch.wait(delay):
+                        raise LLMCancelled(f"The model call was cancelled ({watch.reason}) while waiting to retry "
+                                           f"after: {retry.reason}.", reason=watch.reason,
+                                           base_url=self.base_url, attempts=attempt) from None
+                    continue
+                completion.attempts = attempt
+                logger.info("model call finished", extra={
+                    "llm_base_url": self.base_url, "llm_model": model, "llm_attempts": attempt,
+                    "llm_finish_reason": completion.finish_reason, "llm_tool_calls": len(completion.tool_calls),
+                    "llm_prompt_tokens": completion.usage.prompt_tokens,
+                    "llm_completion_tokens": completion.usage.completion_tokens,
+                    "llm_usage_estimated": completion.usage.estimated,
+                    "llm_duration_ms": round((time.monotonic() - started) * 1000)})
+                return completion
+        finally:
+            watch.release()
+
+    def _delay_or_give_up(self, retry: _Retry, attempt: int, model: str) -> float:
+        policy = self.retry
+        if retry.retry_after is not None and retry.retry_after > policy.max_retry_after:
+            raise LLMUnavailable(
+                f"The model server at {self.base_url} asked to wait {retry.retry_after:.0f} s before retrying "
+                f"({retry.reason}), more than the {policy.max_retry_after:.0f} s this client waits. Try later, "
+                f"or use another server (LLM_BASE_URL).",
+                base_url=self.base_url, status_code=retry.status_code, attempts=attempt)
+        if attempt >= policy.max_attempts:
+            if retry.status_code == 429:
+                advice = "it is rate-limiting this client: lower the load, or raise LLM_MAX_ATTEMPTS"
+            elif retry.status_code:
+                advice = "look at the server's own logs"
+            else:
+                advice = ("is it running? `make run` starts the stand-in (manage.py standin_llm); "
+                          "or set LLM_BASE_URL to a server that is")
+            raise LLMUnavailable(
+                f"The model server at {self.base_url} did not answer model {model!r} after {attempt} "
+                f"attempt{'s' if attempt > 1 else ''} (last: {retry.reason}); {advice}.",
+                base_url=self.base_url, status_code=retry.status_code, attempts=attempt)
+        backoff = policy.backoff(attempt)
+        return max(backoff, retry.retry_after) if retry.retry_after is not None else backoff
+
+    def _open_stream(self, request: dict, max_tokens_cap: int | None, timeout: float | None, attempt: int):
+        timeout_config = self._timeout(timeout) if timeout is not None else openai.NOT_GIVEN
+        legacy_retried = False
+        while True:
+            limit = {}
+            if max_tokens_cap is not None:
+                limit = ({"max_tokens": max_tokens_cap} if self.uses_legacy_token_parameter
+                         else {"max_completion_tokens": max_tokens_cap})
+            try:
+                return self._openai.chat.completions.create(**request, **limit, timeout=timeout_config)
+            except openai.APIStatusError as exc:
+                if (exc.status_code == 400 and "max_completion_tokens" in limit and not legacy_retried
+                        and _names_parameter(exc, "max_completion_tokens")):
+                    with _LEGACY_LOCK:
+                        _LEGACY_TOKEN_PARAMETER_SERVERS.add(self.base_url)
+                    legacy_retried = True
+                    logger.info("model server rejects max_completion_tokens; using max_tokens from now on",
+                                extra={"llm_base_url": self.base_url, "llm_attempt": attempt})
+                    continue
+                raise self._classify_status(exc, request["model"], attempt) from None
+            except openai.APITimeoutError:
+                raise _Retry(f"no answer within {self.connect_timeout} s to connect / "
+                             f"{timeout or self.read_timeout} s to respond") from None
+            except openai.APIConnectionError as exc:
+                raise _Retry(f"cannot connect: {_root_cause(exc)}") from None
+
+    def _classify_status(self, exc: openai.APIStatusError, model: str, attempt: int) -> Exception:
+        status, detail = exc.status_code, _server_message(exc)
+        if status in self.retry.retry_statuses:
+            return _Retry(f"HTTP {status}: {detail}", status_code=status,
+                          retry_after=retry_after_seconds(exc.response.headers))
+        if status in (401, 403):
+            advice = "check LLM_API_KEY"
+        elif status == 404:
+            advice = (f"check LLM_MODEL (is {model!r} served there? GET {self.base_url}/models lists what is) "
+                      f"and LLM_BASE_URL (it usually ends in /v1)")
+        else:
+            advice = "the request itself is wrong for this server"
+        return LLMRequestRejected(f"The model server at {self.base_url} refused the request (HTTP {status}: "
+                                  f"{detail}); {advice}.", base_url=self.base_url, status_code=status,
+                                  attempts=attempt)
+
+    def _consume(self, stream, request: dict, watch: _CancelWatch, on_token, attempt: int) -> Completion:
+        assembly = _Assembly(request)
+        watch.arm(lambda: _abort_stream(stream))
+        try:
+            for chunk in stream:
+                if watch.is_set():
+                    break
+                assembly.add(chunk, on_token)
+        except openai.APIConnectionError as exc:  # includes the read timeout
+            if not watch.is_set():
+                reason = ("no chunk within the read timeout" if isinstance(exc, openai.APITimeoutError)
+                          else f"connection lost: {_root_cause(exc)}")
+                if not assembly.received_anything:
+                    # Nothing reached the caller yet, so trying again cannot show it twice.
+                    raise _Retry(f"stream ended before its first chunk ({reason})") from None
+                partial = assembly.completion(stream_cut=True)
+                raise LLMStreamCut(f"The model server at {self.base_url} cut the stream of model "
+                                   f"{request['model']!r} after {len(partial.content)} characters ({reason}); "
+                                   f"the partial answer is kept.", base_url=self.base_url,
+                                   attempts=attempt, partial=partial) from None
+        except openai.APIError as exc:  # an error event inside the stream
+            raise LLMBadResponse(f"The model server at {self.base_url} reported an error mid-stream: {exc.message}",
+                                 base_url=self.base_url, attempts=attempt,
+                                 partial=assembly.completion(stream_cut=True)) from None
+        except ValueError as exc:  # a `data:` line that is not JSON
+            raise LLMBadResponse(f"The model server at {self.base_url} sent a chunk that is not JSON ({exc}); "
+                                 f"is LLM_BASE_URL a Chat Completions endpoint?", base_url=self.base_url,
+                                 attempts=attempt, partial=assembly.completion(stream_cut=True)) from None
+        finally:
+            watch.disarm()
+            _close_quietly(stream.close)
+        if watch.is_set():
+            partial = assembly.completion(cancelled=True)
+            raise LLMCancelled(f"The model call was cancelled ({watch.reason}); the partial answer "
+                               f"({len(partial.content)} characters) is kept.", reason=watch.reason,
+                               base_url=self.base_url, attempts=attempt, partial=partial)
+        if assembly.finish_reason is None:
+            # The body ended cleanly but the message never did: a server or proxy that
+            # closes the connection without the terminating chunk.
+            if not assembly.received_anything:
+                raise _Retry("the stream ended without any chunk")
+            partial = assembly.completion(stream_cut=True)
+            raise LLMStreamCut(f"The stream of model {request['model']!r} from {self.base_url} ended before the "
+                               f"message was finished (no finish_reason); the partial answer is kept.",
+                               base_url=self.base_url, attempts=attempt, partial=partial)
+        return assembly.completion()
+
+
+class _Assembly:
+    """Accumulates the chunks of one stream into a Completion."""
+
+    def __init__(self, request: dict):
+        self.request = request
+        self.content_parts: list[str] = []
+        # One entry per tool call, in order; fragments find theirs by `index` (and by `id`,
+        # for servers that number every parallel call 0).
+        self.calls: list[dict] = []
+        self._call_at_index: dict[int, dict] = {}
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+        self.model = request["model"]
+        self.response_id: str | None = None
+        self.received_anything = False
+
+    def add(self, chunk, on_token) -> None:
+        self.response_id = self.response_id or getattr(chunk, "id", None)
+        self.model = getattr(chunk, "model", None) or self.model
+        if getattr(chunk, "usage", None) is not None:
+            usage = chunk.usage
+            self.usage = Usage(usage.prompt_tokens or 0, usage.completion_tokens or 0,
+                               usage.total_tokens or (usage.prompt_tokens or 0) + (usage.completion_tokens or 0))
+        for choice in chunk.choices or []:
+            if choice.index not in (0, None):
+                continue  # n > 1 is never asked for
+            delta = choice.delta
+            if delta is not None:
+                if delta.content:
+                    self.received_anything = True
+                    self.content_parts.append(delta.content)
+                    if on_token is not None:
+                        on_token(delta.content)
+                for fragment in delta.tool_calls or []:
+                    self.received_anything = True
+                    self._add_fragment(fragment)
+            if choice.finish_reason:
+                self.finish_reason = choice.finish_reason
+
+    def _add_fragment(self, fragment) -> None:
+        index = fragment.index if fragment.index is not None else len(self.calls)
+        call = self._call_at_index.get(index)
+        if call is None or (fragment.id and call["id"] and fragment.id != call["id"]):
+            call = {"id": fragment.id or "", "name": "", "arguments": []}
+            self.calls.append(call)
+            self._call_at_index[index] = call
+        call["id"] = call["id"] or fragment.id or ""
+        function = fragment.function
+        if function is not None:
+            if function.name and not call["name"]:
+                call["name"] = function.name
+            if function.arguments:
+                call["arguments"].append(function.arguments)
+
+    def completion(self, *, stream_cut: bool = False, cancelled: bool = False) -> Completion:
+        content = "".join(self.content_parts)
+        calls = [ToolCall(id=c["id"] or f"call_{i}", name=c["name"], arguments="".join(c["arguments"]))
+                 for i, c in enumerate(self.calls)]
+        dropped: list[ToolCall] = []
+        if stream_cut or cancelled:
+            dropped = [call for call in calls if not call.arguments_are_complete() or not call.name]
+            calls = [call for call in calls if call not in dropped]
+        usage = self.usage or self._estimate(content, calls + dropped)
+        return Completion(content=content, tool_calls=calls, finish_reason=self.finish_reason, usage=usage,
+                          model=self.model, response_id=self.response_id, stream_cut=stream_cut,
+                          cancelled=cancelled, dropped_tool_calls=dropped)
+
+    def _estimate(self, content: str, calls: list[ToolCall]) -> Usage:
+        prompt_chars = len(json.dumps(self.request["messages"], ensure_ascii=False))
+        prompt_chars += len(json.dumps(self.request.get("tools") or [], ensure_ascii=False))
+        completion_chars = len(content) + sum(len(c.name) + len(c.arguments) for c in calls)
+        prompt, completion = estimate_tokens(prompt_chars), estimate_tokens(completion_chars)
+        return Usage(prompt, completion, prompt + completion, estimated=True)
+
+
+def estimate_tokens(characters: int) -> int:
+    return math.ceil(characters / CHARACTERS_PER_TOKEN) if characters > 0 else 0
+
+
+def _names_parameter(exc: openai.APIStatusError, parameter: str) -> bool:
+    return exc.param == parameter or parameter in (exc.message or "") or parameter in json.dumps(exc.body or "")
+
+
+def _server_message(exc: openai.APIStatusError) -> str:
+    # The package hands over the inner `error` object of an OpenAI-style body; other
+    # servers send {"message": ...} or {"detail": ...} at the top.
+    body = exc.body
+    if isinstance(body, dict):
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else (body.get("message") or body.get("detail"))
+        if message:
+            return str(message)[:300]
+    return (exc.message or "")[:300]
+
+
+def _root_cause(exc: BaseException) -> str:
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
+# --- the configured default ------------------------------------------------------------
+
+_default_client: tuple[tuple, LLMClient] | None = None
+_default_lock = threading.Lock()
+
+
+def client_from_settings() -> LLMClient:
+    """The client for LLM_BASE_URL / LLM_API_KEY / LLM_MODEL (made again when they change,
+    e.g. under override_settings)."""
+    global _default_client
+    from django.conf import settings
+
+    key = (settings.LLM_BASE_URL, settings.LLM_API_KEY, settings.LLM_MODEL, settings.LLM_CONNECT_TIMEOUT,
+           settings.LLM_READ_TIMEOUT, settings.LLM_MAX_ATTEMPTS)
+    with _default_lock:
+        if _default_client is None or _default_client[0] != key:
+            _default_client = (key, LLMClient.from_settings())
+        return _default_client[1]
+
+
+def chat(messages: Sequence[dict], **options) -> Completion:
+    """`LLMClient.chat` on the client configured by the settings."""
+    return client_from_settings().chat(messages, **options)
