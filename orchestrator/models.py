@@ -411,3 +411,58 @@ class DemoContractExtraction(models.Model):
 
     class Meta:
         db_table = "demo_contract_extraction"
+
+
+class AgentMessage(models.Model):
+    """One message of an agent task's dialog (agent.plan_execute), stored as it happens: the
+    history sent to the model is rebuilt from these rows (orchestrator/agent/history.py).
+
+    `key` is stable per message (the turn or tool step that wrote it, with its generation),
+    so a step that runs again after a crash rewrites its own row instead of adding one."""
+
+    class Role(models.TextChoices):
+        SYSTEM = "system"
+        USER = "user"
+        ASSISTANT = "assistant"
+        TOOL = "tool"
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="agent_messages")
+    key = models.CharField(max_length=200)
+    turn = models.PositiveIntegerField()  # the turn it belongs to (user messages: the turn they precede)
+    order = models.PositiveIntegerField(default=0)  # within its turn: assistant 0, tool results 1.., user notes after
+    role = models.CharField(max_length=20, choices=Role.choices)
+    content = models.TextField(blank=True)
+    tool_calls = models.JSONField(default=list, blank=True)  # assistant: [{id, name, arguments}]
+    tool_call_id = models.CharField(max_length=200, blank=True)  # tool: the call it answers
+    name = models.CharField(max_length=200, blank=True)  # tool: the tool's name
+    # An assistant message cut short by a pause, stop or preemption: kept, and said so to the model.
+    interrupted = models.BooleanField(default=False)
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField(default=0)
+    tokens_estimated = models.BooleanField(default=False)  # no usage chunk came: characters / 4
+    # An interrupted attempt's tokens are added to the task's count by the attempt that completes the turn.
+    accounted = models.BooleanField(default=True)
+    step_id = models.CharField(max_length=200, blank=True)
+    generation = models.PositiveIntegerField(default=0)  # of the step that wrote it (edits and rollbacks bump it)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["task", "turn", "order", "id"]
+        constraints = [models.UniqueConstraint(fields=["task", "key"], name="agent_message_unique_key")]
+
+    def __str__(self):
+        return f"{self.task_id} turn {self.turn} {self.role}"
+
+
+class AgentMemory(models.Model):
+    """Long-term memory of agents: facts kept across tasks, read by the memory_search tool at
+    prompt-building time and written by memory_write (through the WAL). Never copied into a
+    snapshot."""
+
+    key = models.CharField(max_length=200, primary_key=True)
+    value = models.TextField()
+    task = models.ForeignKey(Task, null=True, on_delete=models.SET_NULL, related_name="+")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        db_table = "agent_memory"

@@ -672,6 +672,9 @@ def commit_events(*, lease: Lease, plan: PlanState, consumed: list, stack: list 
             InboundEvent.objects.filter(pk=event.pk).update(state=applied.state, outcome=applied.outcome[:2000],
                                                             consumed_at=now, consumed_in_version=task.checkpoint_version)
         insert_added_steps(task.pk, plan, added)
+        for _, applied in consumed:
+            for write in applied.writes:
+                write()
         delta = {"steps": {spec.id: StepStatus.PENDING for spec, _, _ in added}, "status": task.status,
                  "inbox_consumed": [event.seq for event, _ in consumed]}
         if added:

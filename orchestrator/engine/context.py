@@ -151,6 +151,19 @@ class StepContext:
         if self.token.wait(seconds):
             self.token.raise_if_cancelled()
 
+    def tokens_left(self) -> int:
+        """What is left of the task's max_tokens budget, counting this step's use so far."""
+        runner = self._runner
+        if runner is None:
+            return 10**12
+        return int(runner.limits["max_tokens"]) - runner.base_tokens - runner.tokens_this_run() - self.tokens_used
+
+    def interrupt_requested(self) -> bool:
+        """The step should stop what it streams: cancelled (Stop, Terminate, a preempt), or
+        an operator asked to pause. A graceful pause lets ordinary steps finish; a step whose
+        work is cheap to resume (an LLM stream, kept partial) stops at once."""
+        return self.token.cancelled or (self._runner is not None and self._runner.control == "pause")
+
     def use_tokens(self, count: int) -> None:
         """Account LLM tokens against the task's max_tokens limit."""
         with self._lock:

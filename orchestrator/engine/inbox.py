@@ -366,6 +366,9 @@ class Applied:
     outcome: str
     add_steps: list = field(default_factory=list)
     state: str = InboundState.CONSUMED
+    # Writes of the task type's own (e.g. a message appended to an agent's dialog), each a
+    # callable run inside the consumption's transaction, so they commit with it or not at all.
+    writes: list = field(default_factory=list)
 
 
 def due(task_id: int, now: datetime, awaited: tuple[str, ...] = ()) -> list[InboundEvent]:

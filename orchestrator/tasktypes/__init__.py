@@ -9,6 +9,7 @@ TASK_TYPE_MODULES = [
     "orchestrator.tasktypes.contracts",
     "orchestrator.tasktypes.notify",
     "orchestrator.tasktypes.pipeline",
+    "orchestrator.tasktypes.agent",
 ]
 
 

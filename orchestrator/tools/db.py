@@ -18,6 +18,7 @@ UPSERT_TABLES = {
     "demo_source": "orchestrator.DemoSource",
     "demo_destination": "orchestrator.DemoDestination",
     "demo_contract_extraction": "orchestrator.DemoContractExtraction",
+    "agent_memory": "orchestrator.AgentMemory",
 }
 
 

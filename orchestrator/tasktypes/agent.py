@@ -1,0 +1,218 @@
+"""agent.plan_execute: an LLM agent's plan-and-execute loop as durable steps.
+
+The plan grows at run time. `turn-001` asks the model (a streamed Chat Completions call,
+orchestrator/llm/client.py) with the tools' JSON schemas; when it answers with tool calls,
+the turn adds one step per call (`tool-001-1`, ...) and the next turn, which depends on
+them all. A turn that answers without tool calls is the last. So every LLM call and every
+tool call is a checkpointed step; every tool with a side effect goes through the WAL with
+its own idempotency key, and the model's tool-call id is recorded with it.
+
+The dialog is durable: each message is an AgentMessage row written as it happens
+(orchestrator/agent/history.py); the request for a turn is rebuilt from them, always with a
+`tool` message for every tool call. A Pause, Stop or preemption closes the stream at once;
+the partial answer is kept (flagged interrupted) and the turn, when it runs again, continues
+it. A `user.message` sent into the task joins the dialog at the next resume point; calls of
+the last turn that had not started yet are answered "superseded" and the model decides
+again. Budgets pause, never fail: no call starts with less than MIN_CALL_TOKENS of the
+task's max_tokens left, and `max_turns` pauses the task too (raise it and resume).
+"""
+import logging
+import time
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..agent import history, toolbox
+from ..llm import LLMCancelled, LLMClient, LLMStreamCut
+from ..models import AgentMessage, WalEntry
+from . import register
+from .base import StepSpec, TaskType
+
+log = logging.getLogger(__name__)
+
+MIN_CALL_TOKENS = 256  # a call is not started with less of the budget left (it could say nothing useful)
+STREAM_FLUSH_SECONDS = 0.25  # streamed text reaches the page in pieces this often
+DEFAULT_SYSTEM_PROMPT = ("You are a careful agent working for an operator. Use the tools to do what the goal asks; "
+                         "call several tools in one turn when they do not depend on each other. When the work is "
+                         "done, answer with a short report of what you did and found.")
+
+
+class AgentParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    goal: str = Field(..., min_length=1, max_length=20_000, description="What the agent should do")
+    model: str = Field("", max_length=200, description="The model's name (empty: LLM_MODEL)")
+    tools: list[str] = Field(default_factory=lambda: list(toolbox.TOOLS), description="The tools it may call")
+    system_prompt: str = Field("", max_length=20_000, description="Empty: the default prompt")
+    max_turns: int = Field(30, ge=1, le=1000, description="Model calls at most (then the task pauses)")
+    temperature: float | None = Field(None, ge=0, le=2)
+    max_tokens_per_call: int = Field(2000, ge=16, le=100_000, description="Completion tokens per call at most")
+    require_approval: list[str] = Field(default_factory=list,
+                                        description="Tools whose calls wait for an approval.decided event first")
+
+    @field_validator("tools", "require_approval")
+    @classmethod
+    def _known_tools(cls, names: list[str]) -> list[str]:
+        unknown = [n for n in names if n not in toolbox.TOOLS]
+        if unknown:
+            raise ValueError(f"unknown tools {unknown}; the tools are: {', '.join(toolbox.TOOLS)}")
+        return names
+
+
+def turn_id(turn: int) -> str:
+    return f"turn-{turn:03d}"
+
+
+def tool_step_id(turn: int, index: int) -> str:
+    return f"tool-{turn:03d}-{index}"
+
+
+TURN_READS = ("goal", "model", "tools", "system_prompt", "temperature", "max_tokens_per_call", "max_turns")
+
+
+@register
+class PlanExecuteAgent(TaskType):
+    name = "agent.plan_execute"
+    title = "LLM agent (plan and execute)"
+    description = ("Gives the goal to a language model (LLM_BASE_URL: the shipped stand-in model unless you point it "
+                   "at a real one) with the chosen tools; every model call and every tool call is a durable step "
+                   "added as the model decides. Side effects go through the WAL; the dialog is stored as it happens.")
+    Params = AgentParams
+    event_types = ("user.message",)
+    awaited_event_types = ("approval.decided",)
+
+    def plan(self, params: AgentParams) -> list[StepSpec]:
+        return [StepSpec(turn_id(1), title="Turn 1: plan", reads=TURN_READS)]
+
+    def handle_event(self, event):
+        from ..engine.inbox import Applied
+
+        task_id, text, seq = event.task_id, event.payload["text"], event.seq
+        turn = history.last_answered_turn(task_id)
+
+        def append():
+            AgentMessage.objects.update_or_create(task_id=task_id, key=f"user:{seq}", defaults={
+                "turn": turn, "order": history.USER_ORDER + seq, "role": AgentMessage.Role.USER, "content": text})
+
+        return Applied(f"appended to the dialog after turn {turn}; the model reads it at its next turn",
+                       writes=[append])
+
+    def run_step(self, ctx, step_id: str):
+        if step_id.startswith("turn-"):
+            return self._turn(ctx, int(step_id.split("-")[1]))
+        _, turn, index = step_id.split("-")
+        return self._tool_call(ctx, int(turn), int(index))
+
+    # --- a model call ---------------------------------------------------------------------
+    def _turn(self, ctx, turn: int):
+        from ..engine.context import LimitExceeded
+
+        p = ctx.params
+        if turn > p.max_turns:
+            raise LimitExceeded("max_turns")
+        remaining = ctx.tokens_left()
+        if remaining < MIN_CALL_TOKENS:
+            raise LimitExceeded("max_tokens")
+        if turn == 1:
+            self._write_opening(ctx)
+        messages = history.messages_for_turn(ctx.task_id, turn)
+        offered = [toolbox.TOOLS[name].schema() for name in p.tools]
+        stream = _PageStream(ctx, turn)
+        client = LLMClient.from_settings()
+        try:
+            completion = client.chat(messages, tools=offered or None, model=p.model or None,
+                                     temperature=p.temperature, max_tokens_cap=min(p.max_tokens_per_call, remaining),
+                                     on_token=stream.add,
+                                     cancel=ctx.interrupt_requested)
+        except (LLMCancelled, LLMStreamCut) as exc:
+            stream.flush()
+            self._keep_interrupted(ctx, turn, exc)
+            raise
+        finally:
+            client.close()
+        stream.flush()
+        earlier = self._account_interrupted(ctx, turn)
+        ctx.use_tokens(completion.usage.total_tokens + earlier)
+        calls = [{"id": c.id, "name": c.name, "arguments": c.arguments, "step": tool_step_id(turn, i)}
+                 for i, c in enumerate(completion.tool_calls, start=1)]
+        AgentMessage.objects.update_or_create(task_id=ctx.task_id, key=f"{ctx.step_id}:g{ctx.generation}", defaults={
+            "turn": turn, "order": 0, "role": AgentMessage.Role.ASSISTANT, "content": completion.content,
+            "tool_calls": calls, "prompt_tokens": completion.usage.prompt_tokens,
+            "completion_tokens": completion.usage.completion_tokens, "tokens_estimated": completion.usage.estimated,
+            "step_id": ctx.step_id, "generation": ctx.generation})
+        if calls:
+            steps = [StepSpec(c["step"], title=f"{c['name']} ({c['id']})", depends_on=(ctx.step_id,)) for c in calls]
+            ctx.add_steps(*steps, StepSpec(turn_id(turn + 1), title=f"Turn {turn + 1}", reads=TURN_READS,
+                                           depends_on=tuple(s.id for s in steps)))
+        return {"turn": turn, "content": completion.content, "tool_calls": calls,
+                "finish_reason": completion.finish_reason, "model": completion.model,
+                "usage": {"prompt": completion.usage.prompt_tokens, "completion": completion.usage.completion_tokens,
+                          "estimated": completion.usage.estimated, "earlier_interrupted_attempts": earlier},
+                "final": not calls}
+
+    def _write_opening(self, ctx) -> None:
+        p = ctx.params
+        for key, order, role, content in (("system", 0, AgentMessage.Role.SYSTEM,
+                                            p.system_prompt or DEFAULT_SYSTEM_PROMPT),
+                                           ("goal", 1, AgentMessage.Role.USER, p.goal)):
+            AgentMessage.objects.update_or_create(task_id=ctx.task_id, key=f"{key}:g{ctx.generation}", defaults={
+                "turn": 0, "order": order, "role": role, "content": content, "step_id": ctx.step_id,
+                "generation": ctx.generation})
+
+    def _keep_interrupted(self, ctx, turn: int, exc) -> None:
+        """The partial answer of a cut or cancelled stream: kept, flagged, its tokens counted
+        (estimated when no usage came) by the attempt that completes the turn."""
+        partial = exc.partial
+        attempt = AgentMessage.objects.filter(task_id=ctx.task_id, step_id=ctx.step_id, interrupted=True).count()
+        usage = partial.usage if partial is not None else None
+        AgentMessage.objects.create(
+            task_id=ctx.task_id, key=f"{ctx.step_id}:g{ctx.generation}:interrupted:{attempt + 1}", turn=turn, order=0,
+            role=AgentMessage.Role.ASSISTANT, content=(partial.content if partial is not None else "") or "",
+            interrupted=True, accounted=False, prompt_tokens=usage.prompt_tokens if usage else 0,
+            completion_tokens=usage.completion_tokens if usage else 0,
+            tokens_estimated=usage.estimated if usage else True, step_id=ctx.step_id, generation=ctx.generation)
+        log.info("agent turn interrupted: partial answer kept", extra={"task_id": ctx.task_id, "step_id": ctx.step_id})
+
+    def _account_interrupted(self, ctx, turn: int) -> int:
+        rows = AgentMessage.objects.filter(task_id=ctx.task_id, step_id=ctx.step_id, interrupted=True, accounted=False)
+        tokens = sum(r.prompt_tokens + r.completion_tokens for r in rows)
+        rows.update(accounted=True)
+        return tokens
+
+    # --- a tool call ----------------------------------------------------------------------
+    def _tool_call(self, ctx, turn: int, index: int):
+        call = ctx.deps[turn_id(turn)]["tool_calls"][index - 1]
+        started = WalEntry.objects.filter(task_id=ctx.task_id, step_id=ctx.step_id).exists()
+        if not started and history.superseded(ctx.task_id, turn):
+            ok, result = False, "skipped: superseded by a new user message"
+        elif call["name"] in ctx.params.require_approval and not started:
+            decision = ctx.wait_for("approval.decided")  # the task waits without a worker
+            if decision.get("approved"):
+                ok, result = toolbox.call(ctx, call["name"], call["arguments"], ctx.params.tools)
+            else:
+                ok, result = False, f"rejected by the reviewer: {decision.get('note') or 'no reason given'}"
+        else:
+            ok, result = toolbox.call(ctx, call["name"], call["arguments"], ctx.params.tools)
+        text = toolbox.as_message_text(result)
+        AgentMessage.objects.update_or_create(task_id=ctx.task_id, key=f"{ctx.step_id}:g{ctx.generation}", defaults={
+            "turn": turn, "order": index, "role": AgentMessage.Role.TOOL, "content": text,
+            "tool_call_id": call["id"], "name": call["name"], "step_id": ctx.step_id, "generation": ctx.generation})
+        return {"tool_call_id": call["id"], "name": call["name"], "ok": ok, "result": result}
+
+
+class _PageStream:
+    """The answer's text as it streams, sent to the task page in pieces (progress events)."""
+
+    def __init__(self, ctx, turn: int):
+        self.ctx, self.turn = ctx, turn
+        self.pending: list[str] = []
+        self.sent_at = time.monotonic()
+
+    def add(self, text: str) -> None:
+        self.pending.append(text)
+        if time.monotonic() - self.sent_at >= STREAM_FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        text, self.pending, self.sent_at = "".join(self.pending), [], time.monotonic()
+        self.ctx.progress("agent.stream", turn=self.turn, text=text)

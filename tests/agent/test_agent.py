@@ -1,0 +1,118 @@
+"""agent.plan_execute in-process against the stand-in model server over real HTTP (and a
+real SMTP server): turns and tool calls as durable steps, the dialog as rows, a history
+that is always valid, user messages, budgets that pause."""
+import json
+
+import pytest
+
+from orchestrator.agent import history
+from orchestrator.engine import inbox, services
+from orchestrator.engine.worker import drive_inline
+from orchestrator.llm.standin import StandinServer
+from orchestrator.models import AgentMessage, Step, Task, TaskEvent, WalEntry
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+GOAL = "Parse the 5 contracts and email a summary to ops@example.org"
+
+
+@pytest.fixture
+def model(settings):
+    """The stand-in model server, which this process's agent talks to; `requests` is what it got."""
+    with StandinServer(token_seconds=0.0005) as server:
+        settings.LLM_BASE_URL, settings.LLM_API_KEY, settings.LLM_MODEL = server.base_url, "standin", "standin-planner"
+        settings.LLM_MAX_ATTEMPTS = 3
+        yield server
+
+
+def agent(goal: str = GOAL, **params) -> Task:
+    return services.task_create(type="agent.plan_execute", params={"goal": goal, **params})
+
+
+def assert_every_tool_call_answered(messages: list[dict]) -> None:
+    for i, message in enumerate(messages):
+        for call in message.get("tool_calls") or []:
+            answers = [m for m in messages[i + 1:] if m["role"] == "tool" and m["tool_call_id"] == call["id"]]
+            assert len(answers) == 1, f"tool call {call['id']} has {len(answers)} answers"
+
+
+def test_the_contracts_goal_runs_through_the_agent_reads_each_contract_and_sends_one_email(model, smtp):
+    task = agent()
+    assert drive_inline(task.pk) == "completed"
+    task = Task.objects.get(pk=task.pk)
+    steps = list(Step.objects.filter(task=task).order_by("position").values_list("step_id", "added_by", "status"))
+    turns = [s for s in steps if s[0].startswith("turn-")]
+    tools = [s for s in steps if s[0].startswith("tool-")]
+    assert all(status == "done" for _, _, status in steps)
+    # list, read x5 (in turns of several calls), email, answer: every step added by the turn before.
+    assert len(turns) >= 4 and all(added == "" if sid == "turn-001" else added.startswith(("turn-", "tool-"))
+                                   for sid, added, _ in turns)
+    names = [Step.objects.get(task=task, step_id=sid).result["name"] for sid, _, _ in tools]
+    assert names.count("contracts_list") == 1 and names.count("contracts_read") == 5
+    assert names.count("email_send") == 1
+    # One email, through the WAL, with the tool call's own idempotency key.
+    [mail] = smtp.received
+    assert mail["To"] == "ops@example.org" and "5 contracts" in mail["Subject"]
+    [entry] = WalEntry.objects.filter(task=task, tool="email.send")
+    assert entry.status == "done" and entry.step_id.startswith("tool-")
+    assert mail["X-Idempotency-Key"] == entry.idempotency_key
+    # The dialog is durable rows; every request the model got had each tool call answered.
+    roles = list(AgentMessage.objects.filter(task=task).values_list("role", flat=True))
+    assert roles[:2] == ["system", "user"] and roles.count("tool") == len(tools)
+    for request in model.requests:
+        assert_every_tool_call_answered(request.body["messages"])
+    final = Step.objects.get(task=task, step_id=turns[-1][0]).result
+    assert final["final"] and "ops@example.org" in final["content"]
+    assert task.tokens_used > 0
+    # The answer streamed to the page as progress events.
+    assert TaskEvent.objects.filter(task=task, kind="progress", payload__message="agent.stream").exists()
+
+
+def test_a_bad_tool_call_goes_back_to_the_model_as_an_error_and_max_turns_pauses(model, smtp, settings):
+    settings.LLM_MODEL = "standin-planner+unknown-tool"  # every answer calls a tool that was not offered
+    task = agent(max_turns=3)
+    assert drive_inline(task.pk) == "paused"
+    task = Task.objects.get(pk=task.pk)
+    assert task.paused_by_limit == "max_turns" and task.status_reason == "limit: max_turns"
+    answers = list(AgentMessage.objects.filter(task=task, role="tool").values_list("content", flat=True))
+    assert len(answers) >= 3 and all(a.startswith("error: there is no tool") for a in answers)
+    assert not smtp.received
+    # The model saw each error (the request of turn 3 carries the answers of turns 1 and 2).
+    assert any(m["role"] == "tool" and m["content"].startswith("error: there is no tool")
+               for m in model.requests[-1].body["messages"])
+
+
+def test_a_user_message_sent_mid_run_reaches_the_next_request(model, smtp):
+    task = agent()
+    sent = inbox.send(task_id=task.pk, type="user.message", payload={"text": "also include the totals in EUR"})
+    assert drive_inline(task.pk) == "completed"
+    event = sent.event.__class__.objects.get(pk=sent.event.pk)
+    assert event.state == "consumed" and event.outcome.startswith("appended to the dialog after turn")
+    asked = [r for r in model.requests if any(m.get("content") == "also include the totals in EUR"
+                                             for m in r.body["messages"])]
+    assert asked, "no request carried the user's message"
+
+
+def test_running_out_of_tokens_pauses_with_the_scene_kept_and_resumes_after_raising_it(model, smtp):
+    task = services.task_create(type="agent.plan_execute", params={"goal": GOAL}, limits={"max_tokens": 1200})
+    assert drive_inline(task.pk) == "paused"
+    task = Task.objects.get(pk=task.pk)
+    assert task.paused_by_limit == "max_tokens" and task.status_reason == "limit: max_tokens"
+    kept = AgentMessage.objects.filter(task=task).count()
+    assert kept >= 3 and not smtp.received
+    services.task_resume(task_id=task.pk, limits={"max_tokens": 1_000_000})
+    assert drive_inline(task.pk) == "completed"
+    assert len(smtp.received) == 1
+    assert AgentMessage.objects.filter(task=task).count() > kept
+
+
+def test_the_history_is_repaired_from_the_wal_never_guessed(model):
+    task = agent()
+    AgentMessage.objects.create(task=task, key="system:g0", turn=0, order=0, role="system", content="s")
+    AgentMessage.objects.create(task=task, key="goal:g0", turn=0, order=1, role="user", content="g")
+    AgentMessage.objects.create(task=task, key="turn-001:g0", turn=1, order=0, role="assistant", content="",
+                                tool_calls=[{"id": "call_a", "name": "contracts_list", "arguments": "{}",
+                                             "step": "tool-001-1"}])
+    messages = history.messages_for_turn(task.pk, 2)
+    assert messages[-1] == {"role": "tool", "tool_call_id": "call_a", "content": history.NOT_EXECUTED}
+    assert json.loads(json.dumps(messages))  # wire-ready
