@@ -31,7 +31,9 @@ def current(task_id: int):
 def messages_for_turn(task_id: int, turn: int) -> list[dict]:
     """The messages of the request for `turn`: everything before it, plus its own
     interrupted attempts (the model continues them instead of starting over)."""
-    rows = [r for r in current(task_id) if r.turn < turn or (r.turn == turn and r.interrupted)]
+    # An attempt that was lost before its first token has nothing to continue.
+    rows = [r for r in current(task_id) if (r.turn < turn and not r.interrupted)
+            or (r.interrupted and r.content and r.turn <= turn)]
     return repaired(task_id, _with_notes(rows), {c["id"]: c.get("step", "") for r in rows for c in r.tool_calls})
 
 

@@ -16,13 +16,16 @@ the last turn that had not started yet are answered "superseded" and the model d
 again. Budgets pause, never fail: no call starts with less than MIN_CALL_TOKENS of the
 task's max_tokens left, and `max_turns` pauses the task too (raise it and resume).
 """
+import json
 import logging
 import time
+import uuid
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..agent import history, toolbox
 from ..llm import LLMCancelled, LLMClient, LLMStreamCut
+from ..llm.client import estimate_tokens
 from ..models import AgentMessage, WalEntry
 from . import register
 from .base import StepSpec, TaskType
@@ -115,20 +118,30 @@ class PlanExecuteAgent(TaskType):
             self._write_opening(ctx)
         messages = history.messages_for_turn(ctx.task_id, turn)
         offered = [toolbox.TOOLS[name].schema() for name in p.tools]
-        stream = _PageStream(ctx, turn)
+        # The attempt is a row before the first token: if this process is killed mid-stream,
+        # the next attempt finds what had streamed (kept, and its tokens counted, estimated).
+        attempt = AgentMessage.objects.create(
+            task_id=ctx.task_id, turn=turn, order=0, role=AgentMessage.Role.ASSISTANT, interrupted=True,
+            accounted=False, tokens_estimated=True, step_id=ctx.step_id, generation=ctx.generation,
+            key=f"{ctx.step_id}:g{ctx.generation}:attempt:{uuid.uuid4().hex[:12]}",
+            prompt_tokens=estimate_tokens(len(json.dumps(messages)) + len(json.dumps(offered))))
+        stream = _PageStream(ctx, turn, attempt)
         client = LLMClient.from_settings()
         try:
             completion = client.chat(messages, tools=offered or None, model=p.model or None,
                                      temperature=p.temperature, max_tokens_cap=min(p.max_tokens_per_call, remaining),
-                                     on_token=stream.add,
-                                     cancel=ctx.interrupt_requested)
+                                     on_token=stream.add, cancel=ctx.interrupt_requested)
         except (LLMCancelled, LLMStreamCut) as exc:
             stream.flush()
-            self._keep_interrupted(ctx, turn, exc)
+            self._keep_interrupted(attempt, exc)
+            raise
+        except Exception:
+            attempt.delete()  # nothing streamed (the server refused or was away): nothing to keep or count
             raise
         finally:
             client.close()
         stream.flush()
+        attempt.delete()  # complete: its usage is the completion's
         earlier = self._account_interrupted(ctx, turn)
         ctx.use_tokens(completion.usage.total_tokens + earlier)
         calls = [{"id": c.id, "name": c.name, "arguments": c.arguments, "step": tool_step_id(turn, i)}
@@ -157,22 +170,23 @@ class PlanExecuteAgent(TaskType):
                 "turn": 0, "order": order, "role": role, "content": content, "step_id": ctx.step_id,
                 "generation": ctx.generation})
 
-    def _keep_interrupted(self, ctx, turn: int, exc) -> None:
+    def _keep_interrupted(self, attempt: AgentMessage, exc) -> None:
         """The partial answer of a cut or cancelled stream: kept, flagged, its tokens counted
         (estimated when no usage came) by the attempt that completes the turn."""
         partial = exc.partial
-        attempt = AgentMessage.objects.filter(task_id=ctx.task_id, step_id=ctx.step_id, interrupted=True).count()
-        usage = partial.usage if partial is not None else None
-        AgentMessage.objects.create(
-            task_id=ctx.task_id, key=f"{ctx.step_id}:g{ctx.generation}:interrupted:{attempt + 1}", turn=turn, order=0,
-            role=AgentMessage.Role.ASSISTANT, content=(partial.content if partial is not None else "") or "",
-            interrupted=True, accounted=False, prompt_tokens=usage.prompt_tokens if usage else 0,
-            completion_tokens=usage.completion_tokens if usage else 0,
-            tokens_estimated=usage.estimated if usage else True, step_id=ctx.step_id, generation=ctx.generation)
-        log.info("agent turn interrupted: partial answer kept", extra={"task_id": ctx.task_id, "step_id": ctx.step_id})
+        if partial is not None:
+            attempt.content = partial.content or attempt.content
+            attempt.prompt_tokens = partial.usage.prompt_tokens or attempt.prompt_tokens
+            attempt.completion_tokens = partial.usage.completion_tokens
+            attempt.tokens_estimated = partial.usage.estimated
+        attempt.save()
+        log.info("agent turn interrupted: partial answer kept",
+                 extra={"task_id": attempt.task_id, "step_id": attempt.step_id})
 
     def _account_interrupted(self, ctx, turn: int) -> int:
-        rows = AgentMessage.objects.filter(task_id=ctx.task_id, step_id=ctx.step_id, interrupted=True, accounted=False)
+        """Tokens of this turn's earlier attempts (cut, cancelled, or lost with their process)."""
+        rows = AgentMessage.objects.filter(task_id=ctx.task_id, step_id=ctx.step_id, generation=ctx.generation,
+                                           interrupted=True, accounted=False)
         tokens = sum(r.prompt_tokens + r.completion_tokens for r in rows)
         rows.update(accounted=True)
         return tokens
@@ -199,10 +213,11 @@ class PlanExecuteAgent(TaskType):
 
 
 class _PageStream:
-    """The answer's text as it streams, sent to the task page in pieces (progress events)."""
+    """The answer's text as it streams: sent to the task page in pieces (progress events)
+    and kept on the attempt's row, so a crash mid-stream loses at most one piece."""
 
-    def __init__(self, ctx, turn: int):
-        self.ctx, self.turn = ctx, turn
+    def __init__(self, ctx, turn: int, attempt: AgentMessage):
+        self.ctx, self.turn, self.attempt = ctx, turn, attempt
         self.pending: list[str] = []
         self.sent_at = time.monotonic()
 
@@ -215,4 +230,8 @@ class _PageStream:
         if not self.pending:
             return
         text, self.pending, self.sent_at = "".join(self.pending), [], time.monotonic()
+        self.attempt.content += text
+        self.attempt.completion_tokens = estimate_tokens(len(self.attempt.content))
+        AgentMessage.objects.filter(pk=self.attempt.pk).update(content=self.attempt.content,
+                                                               completion_tokens=self.attempt.completion_tokens)
         self.ctx.progress("agent.stream", turn=self.turn, text=text)
