@@ -118,7 +118,8 @@ def main() -> int:
         version = conn.execute("SHOW server_version").fetchone()[0]
     print(f"PostgreSQL {version}, database {pg.database}{' (created)' if created else ''}; {os.cpu_count()} CPUs; "
           f"one qcluster with {settings.ORCH_WORKERS} workers (ORM broker), daphne, the sweeper; "
-          f"control poll {settings.ORCH_CONTROL_POLL_SECONDS:g} s, merge window {settings.ORCH_INBOX_MERGE_SECONDS:g} s")
+          f"control poll {settings.ORCH_CONTROL_POLL_SECONDS:g} s, "
+          f"merge window {settings.ORCH_INBOX_MERGE_SECONDS:g} s")
     logs = Path(tempfile.mkdtemp(prefix="bench-events-"))
     port = free_port()
     stack = Stack(port, logs)
@@ -136,7 +137,8 @@ def main() -> int:
         rate_one, answers_one = throughput(base, token, targets[:1], events_one, clients, "one")
         rate_many, answers_many = throughput(base, token, targets[1:], events_many, clients, "many")
         print(f"  {'into one task':<24} {events_one:>6} events  {rate_one:>7.0f} accepted/s   answers {answers_one}")
-        print(f"  {'across 100 tasks':<24} {events_many:>6} events  {rate_many:>7.0f} accepted/s   answers {answers_many}")
+        print(f"  {'across 100 tasks':<24} {events_many:>6} events  {rate_many:>7.0f} accepted/s   "
+              f"answers {answers_many}")
 
         # Latency: a running task with short steps.
         task = services.task_create(type="bench.listener", params={"steps": 100_000, "sleep_ms": 20})
@@ -166,8 +168,9 @@ def main() -> int:
             time.sleep(0.1)  # a step in flight, as in real use
             services.task_pause(task_id=task.pk, reason="bench")
             # The stamps of earlier rounds stay: this round's acknowledgement comes after its request.
-            row = wait_until(lambda: Task.objects.filter(pk=task.pk, control_acknowledged_at__gte=F("control_requested_at"))
-                             .values_list("control_requested_at", "control_acknowledged_at").first(), 30, 0.005, stack)
+            acknowledged = Task.objects.filter(pk=task.pk, control_acknowledged_at__gte=F("control_requested_at"))
+            row = wait_until(lambda: acknowledged.values_list("control_requested_at", "control_acknowledged_at")
+                             .first(), 30, 0.005, stack)
             acks.append((row[1] - row[0]).total_seconds() * 1000)
             wait_until(lambda: Task.objects.get(pk=task.pk).status == "paused", 30, 0.01, stack)
             services.task_resume(task_id=task.pk)
