@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PORT ?= 8000
 export PORT
 
-.PHONY: run test test-postgres install migrate bench clean
+.PHONY: run test test-postgres install migrate bench bench-events clean
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -36,6 +36,11 @@ $(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
 
 bench: $(VENV)/.bench-installed
 	$(PY) bench/compare.py $(BENCH_ARGS)
+
+## Events into tasks on PostgreSQL (DATABASE_URL, default .../bench_events; created if missing), real
+## web server and workers: accepted events/s (one task, 100 tasks), event -> consumed per priority, P0 -> ack.
+bench-events: install
+	$(PY) bench/events.py
 
 clean:
 	rm -rf var/ .pytest_cache

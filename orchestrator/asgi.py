@@ -8,9 +8,25 @@ django_asgi_app = get_asgi_application()
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.core.signals import request_finished  # noqa: E402
+from django.db import connections  # noqa: E402
 
 from .origins import SameOriginValidator  # noqa: E402
 from .routing import websocket_urlpatterns  # noqa: E402
+
+
+
+def close_request_connections(**kwargs) -> None:
+    """Under ASGI each HTTP request runs its sync code in a thread of its own (asgiref's
+    ThreadSensitiveContext), so a persistent connection (CONN_MAX_AGE, kept for the workers)
+    is never reused: it stays open after its thread is gone, until garbage collection. A
+    flood of 600 API requests from 8 clients left ~90 idle and PostgreSQL refused the next
+    ones ("too many clients", 500s). request_finished runs in the request's thread, so this
+    closes exactly that request's connections; the live pollers' shared thread keeps its own."""
+    connections.close_all()
+
+
+request_finished.connect(close_request_connections, dispatch_uid="orchestrator.asgi.close_request_connections")
 
 application = ProtocolTypeRouter({
     "http": django_asgi_app,

@@ -1,4 +1,5 @@
 """Task types for the interruption and limit tests (loaded with ORCH_EXTRA_TASK_TYPES)."""
+import os
 import sys
 import time
 
@@ -205,6 +206,7 @@ class GrowingParams(BaseModel):
     effects: bool = True  # each item upserts a row (ids 700_000 + task * 1000 + index)
     big_result_bytes: int = Field(0, ge=0)  # discover returns this much (a large result)
     link_ms: int = Field(0, ge=0)  # chain: each link works this long (obeying the token)
+    hold_until: str = ""  # chain: each link also works until this file exists (a test releases it)
 
 
 @register
@@ -245,6 +247,8 @@ class Growing(TaskType):
             index = int(step_id.split("-")[1])
             if p.link_ms:
                 ctx.sleep(p.link_ms / 1000)
+            while p.hold_until and not os.path.exists(p.hold_until):
+                ctx.sleep(0.05)
             if index + 1 < p.items:
                 ctx.add_steps(StepSpec(f"link-{index + 1}", depends_on=(step_id,)))
             return index + (ctx.deps.get(f"link-{index - 1}") or 0)
