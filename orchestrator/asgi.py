@@ -8,6 +8,7 @@ django_asgi_app = get_asgi_application()
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 from django.core.signals import request_finished  # noqa: E402
 from django.db import connections  # noqa: E402
 
@@ -26,7 +27,10 @@ def close_request_connections(**kwargs) -> None:
     connections.close_all()
 
 
-request_finished.connect(close_request_connections, dispatch_uid="orchestrator.asgi.close_request_connections")
+# Only for requests served over ASGI: the test client's requests (ClientHandler) run in the
+# test's own thread, whose connection the test still needs.
+request_finished.connect(close_request_connections, sender=ASGIHandler,
+                         dispatch_uid="orchestrator.asgi.close_request_connections")
 
 application = ProtocolTypeRouter({
     "http": django_asgi_app,

@@ -16,6 +16,7 @@ TASK_PAGE_REGIONS = (
     ("task-summary", "orchestrator/task/_summary.html"),
     ("task-controls", "orchestrator/task/_controls.html"),
     ("task-cards", "orchestrator/task/_cards.html"),
+    ("task-conversation", "orchestrator/task/_conversation.html"),
     ("task-timeline", "orchestrator/task/_timeline.html"),
     ("task-steps", "orchestrator/task/_steps.html"),
     ("task-wal", "orchestrator/task/_wal.html"),

@@ -6,6 +6,7 @@ from datetime import datetime, timezone as dt_timezone
 from django.utils import timezone
 
 from .. import roles
+from ..agent import history
 from ..engine import actions as task_actions, inbox, snapshots, states
 from ..models import Task
 from ..tasktypes import all_types
@@ -70,6 +71,7 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
         "audit": list(task.audit_entries.select_related("actor").all()[:AUDIT_SHOWN]),
         "inbox": list(task.inbox.order_by("-seq")[:INBOX_SHOWN]),
         "stack_top_first": list(reversed(task.stack or [])),
+        "conversation": conversation(task),
         "sendable_types": sendable_types(task),
         # The same id until the inbox moves on: a double click sends one event (the inbox
         # dedupes it); once the event is in, the page re-renders with the next id.
@@ -81,6 +83,33 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
         "skippable_steps": task_actions.skippable_steps(task) if verdicts["skip_step"].allowed else [],
         "is_terminal": task.status in states.TERMINAL,
     }
+
+
+CONVERSATION_SHOWN = 200
+MESSAGE_SHOWN_CHARACTERS = 4000
+
+
+def conversation(task: Task) -> list[dict] | None:
+    """An agent task's dialog as the page shows it (None for other types): each message, and
+    each tool call with the status of its step and of its WAL entries."""
+    if not task.agent_messages.exists():
+        return None
+    rows = history.current(task.pk)[-CONVERSATION_SHOWN:]
+    steps = dict(task.steps.filter(step_id__startswith="tool-").values_list("step_id", "status"))
+    wal: dict[str, str] = {}
+    for step_id, status in task.wal_entries.filter(step_id__startswith="tool-").values_list("step_id", "status"):
+        wal[step_id] = status
+    shown = []
+    for row in rows:
+        calls = [{**call, "step_status": steps.get(call.get("step", ""), ""), "wal_status": wal.get(call.get("step", ""), "")}
+                 for call in row.tool_calls]
+        content = row.content
+        shown.append({"role": row.role, "turn": row.turn, "name": row.name, "interrupted": row.interrupted,
+                      "streaming": row.interrupted and not row.accounted and task.status == "running",
+                      "content": content[:MESSAGE_SHOWN_CHARACTERS], "cut": len(content) > MESSAGE_SHOWN_CHARACTERS,
+                      "tool_calls": calls, "tokens": row.prompt_tokens + row.completion_tokens,
+                      "estimated": row.tokens_estimated})
+    return shown
 
 
 def sendable_types(task: Task) -> list[str]:
