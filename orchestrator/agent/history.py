@@ -5,8 +5,8 @@ rebuilt from them — always valid: every assistant `tool_calls` entry is follow
 Order: turn by turn. Turn 0 holds the system prompt and the goal; turn N holds the model's
 answer (order 0; an interrupted attempt before it, with a note to the model after it) and
 the results of its tool calls (order 1..); a user message sent into the running task joins
-the turn that was last answered (order 1000 + its inbox seq), so it comes after that
-turn's tool results and before the next answer.
+the latest turn the model answered or began to (order 1000 + its inbox seq), so it comes
+after what the model said and before its next answer.
 
 Only rows of the current generation of the step that wrote them count: after an edit or a
 rollback re-runs a turn, what the earlier run said is history no more.
@@ -31,9 +31,11 @@ def current(task_id: int):
 def messages_for_turn(task_id: int, turn: int) -> list[dict]:
     """The messages of the request for `turn`: everything before it, plus its own
     interrupted attempts (the model continues them instead of starting over)."""
-    # An attempt that was lost before its first token has nothing to continue.
-    rows = [r for r in current(task_id) if (r.turn < turn and not r.interrupted)
-            or (r.interrupted and r.content and r.turn <= turn)]
+    # Its own answer and tool results are not part of its request; an attempt that was lost
+    # before its first token has nothing to continue.
+    rows = [r for r in current(task_id)
+            if (r.interrupted and r.content and r.turn <= turn)
+            or (not r.interrupted and (r.turn < turn or (r.turn == turn and r.role == AgentMessage.Role.USER)))]
     return repaired(task_id, _with_notes(rows), {c["id"]: c.get("step", "") for r in rows for c in r.tool_calls})
 
 
@@ -87,13 +89,17 @@ def _from_wal(task_id: int, step_id: str) -> str:
     return f"(recorded result) {entry.result}" if entry is not None else NOT_EXECUTED
 
 
-def last_answered_turn(task_id: int) -> int:
-    return AgentMessage.objects.filter(task_id=task_id, role=AgentMessage.Role.ASSISTANT,
-                                       interrupted=False).aggregate(n=Max("turn"))["n"] or 0
+def latest_turn(task_id: int) -> int:
+    """The turn a user message sent now joins: the last one the model answered, or began to
+    (an interrupted answer), so the message comes after what the model said."""
+    return (AgentMessage.objects.filter(task_id=task_id, role=AgentMessage.Role.ASSISTANT)
+            .exclude(interrupted=True, content="").aggregate(n=Max("turn"))["n"] or 0)
 
 
 def superseded(task_id: int, turn: int) -> bool:
     """A user message arrived after turn `turn` was answered: its calls not yet started are
     superseded (the model decides again with the message in view)."""
-    return AgentMessage.objects.filter(task_id=task_id, role=AgentMessage.Role.USER, turn=turn,
-                                       order__gte=USER_ORDER).exists()
+    answer = (AgentMessage.objects.filter(task_id=task_id, role=AgentMessage.Role.ASSISTANT, turn=turn,
+                                          interrupted=False).order_by("-id").first())
+    return answer is not None and AgentMessage.objects.filter(
+        task_id=task_id, role=AgentMessage.Role.USER, turn__gte=turn, order__gte=USER_ORDER, id__gt=answer.id).exists()

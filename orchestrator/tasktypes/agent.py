@@ -89,7 +89,7 @@ class PlanExecuteAgent(TaskType):
         from ..engine.inbox import Applied
 
         task_id, text, seq = event.task_id, event.payload["text"], event.seq
-        turn = history.last_answered_turn(task_id)
+        turn = history.latest_turn(task_id)
 
         def append():
             AgentMessage.objects.update_or_create(task_id=task_id, key=f"user:{seq}", defaults={
