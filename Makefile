@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PORT ?= 8000
 export PORT
 
-.PHONY: run test test-postgres install migrate bench bench-events clean
+.PHONY: run test test-postgres install migrate bench bench-events bench-agent clean
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -41,6 +41,10 @@ bench: $(VENV)/.bench-installed
 ## web server and workers: accepted events/s (one task, 100 tasks), event -> consumed per priority, P0 -> ack.
 bench-events: install
 	$(PY) bench/events.py
+
+## The agent's harness overhead per LLM turn and tool call, against the stand-in model (DATABASE_URL or SQLite):
+bench-agent: install
+	$(PY) bench/agent.py $(BENCH_ARGS)
 
 clean:
 	rm -rf var/ .pytest_cache
