@@ -116,3 +116,19 @@ def test_the_history_is_repaired_from_the_wal_never_guessed(model):
     messages = history.messages_for_turn(task.pk, 2)
     assert messages[-1] == {"role": "tool", "tool_call_id": "call_a", "content": history.NOT_EXECUTED}
     assert json.loads(json.dumps(messages))  # wire-ready
+
+
+@pytest.mark.parametrize("approved", [True, False])
+def test_a_call_that_needs_approval_waits_without_a_worker_and_runs_or_returns_the_note(model, smtp, approved):
+    task = agent(require_approval=["email_send"])
+    assert drive_inline(task.pk) == "waiting"
+    task = Task.objects.get(pk=task.pk)
+    assert task.lease_owner == "" and task.waiting_for[0]["type"] == "approval.decided"
+    assert not smtp.received
+    inbox.send(task_id=task.pk, type="approval.decided", payload={"approved": approved, "note": "not this week"})
+    assert drive_inline(task.pk) == "completed"
+    answer = AgentMessage.objects.get(task=task, role="tool", name="email_send").content
+    if approved:
+        assert len(smtp.received) == 1 and not answer.startswith("rejected")
+    else:
+        assert not smtp.received and answer == "rejected by the reviewer: not this week"
