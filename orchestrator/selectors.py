@@ -42,7 +42,7 @@ def task_export(task_id: int) -> dict:
 
     from review.models import ReviewItem
 
-    from .models import AuditEntry, Snapshot, Step, TaskEvent, WalEntry
+    from .models import AgentMessage, AuditEntry, InboundEvent, Snapshot, Step, TaskEvent, WalEntry
 
     task = Task.objects.get(pk=task_id)
 
@@ -63,4 +63,8 @@ def task_export(task_id: int) -> dict:
         "audit": list(AuditEntry.objects.filter(task=task).order_by("at", "id").values(
             "at", "actor_name", "ip", "action", "before", "after", "reason")),
         "reviews": rows(ReviewItem.objects.filter(task=task).order_by("id")),
+        "inbox": rows(InboundEvent.objects.filter(task=task).order_by("seq")),
+        # An agent's transcript: every message as stored (interrupted attempts and earlier
+        # generations included, each marked), in dialog order.
+        "transcript": rows(AgentMessage.objects.filter(task=task).order_by("turn", "order", "id")),
     }

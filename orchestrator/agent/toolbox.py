@@ -3,7 +3,7 @@ schema the model sees and what validates the model's arguments (a bad call goes 
 the model as an error message, never a crash).
 
 Tools with a side effect run through the WAL (`ctx.effect`, with the call's idempotency
-key): `email_send`, `http_request`, `shell_run`, `memory_write`. The others only read:
+key): `db_upsert`, `email_send`, `http_request`, `shell_run`, `memory_write`. The others only read:
 `contracts_list`, `contracts_read`, `db_query` (SELECT only, in a read-only transaction),
 `memory_search` (long-term memory, a store of its own: never copied into a snapshot).
 
@@ -63,6 +63,13 @@ class HttpRequestArgs(BaseModel):
     method: Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"] = "GET"
     url: str = Field(..., pattern=r"^https?://", max_length=2000)
     json_body: dict | list | None = Field(None, description="a JSON body to send")
+
+
+class DbUpsertArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    table: Literal["demo_contract_extraction", "demo_destination"] = Field(..., description="the table to write")
+    columns: list[str] = Field(..., min_length=1, max_length=20, description="its columns, the primary key included")
+    rows: list[list] = Field(..., min_length=1, max_length=500, description="rows, values in the columns' order")
 
 
 class ShellRunArgs(BaseModel):
@@ -148,6 +155,10 @@ def _http_request(ctx, args: HttpRequestArgs):
     return ctx.effect("http.request", call)
 
 
+def _db_upsert(ctx, args: DbUpsertArgs):
+    return ctx.effect("db.upsert", {"table": args.table, "columns": args.columns, "rows": args.rows})
+
+
 def _shell_run(ctx, args: ShellRunArgs):
     return ctx.effect("shell.run", {"argv": args.argv, "timeout": args.timeout})
 
@@ -163,6 +174,8 @@ TOOLS: dict[str, AgentTool] = {t.name: t for t in (
               _memory_search),
     AgentTool("memory_write", "Store a fact in the long-term memory, under a key.", MemoryWriteArgs, _memory_write,
               side_effect=True),
+    AgentTool("db_upsert", "Insert or update rows (by primary key) in one of the tables it may write.", DbUpsertArgs,
+              _db_upsert, side_effect=True),
     AgentTool("email_send", "Send an email (it cannot be unsent).", EmailSendArgs, _email_send, side_effect=True),
     AgentTool("http_request", "Make an HTTP request.", HttpRequestArgs, _http_request, side_effect=True),
     AgentTool("shell_run", "Run a program (no shell) and return its exit code and output.", ShellRunArgs,

@@ -5,6 +5,9 @@ import json
 
 import pytest
 
+from django.core.serializers.json import DjangoJSONEncoder
+
+from orchestrator import selectors
 from orchestrator.agent import history
 from orchestrator.engine import inbox, services
 from orchestrator.engine.worker import drive_inline
@@ -66,6 +69,10 @@ def test_the_contracts_goal_runs_through_the_agent_reads_each_contract_and_sends
     assert task.tokens_used > 0
     # The answer streamed to the page as progress events.
     assert TaskEvent.objects.filter(task=task, kind="progress", payload__message="agent.stream").exists()
+    # The transcript and its events are in the export.
+    exported = json.loads(json.dumps(selectors.task_export(task.pk), cls=DjangoJSONEncoder))
+    assert [m["role"] for m in exported["transcript"]] == roles
+    assert any(e["payload"].get("message") == "agent.stream" for e in exported["events"])
 
 
 def test_a_bad_tool_call_goes_back_to_the_model_as_an_error_and_max_turns_pauses(model, smtp, settings):

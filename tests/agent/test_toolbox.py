@@ -1,0 +1,48 @@
+"""The agent's tools: the schema the model sees is what validates its arguments, and a bad
+call comes back as an error for the model, never a crash; db_query cannot write."""
+import pytest
+
+from orchestrator.agent import toolbox
+from orchestrator.models import DemoSource
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ALL = list(toolbox.TOOLS)
+
+
+def test_each_tool_offers_its_argument_model_as_a_json_schema():
+    schema = toolbox.TOOLS["contracts_read"].schema()
+    assert schema["type"] == "function" and schema["function"]["name"] == "contracts_read"
+    assert schema["function"]["parameters"]["required"] == ["contract"]
+    assert all(set(name) <= set("abcdefghijklmnopqrstuvwxyz_") for name in toolbox.TOOLS)  # the protocol's charset
+
+
+@pytest.mark.parametrize("name, arguments, error", [
+    ("contracts_read", "{not json", "error: the arguments are not valid JSON"),
+    ("contracts_read", '{"contract": "five"}', "error: invalid arguments for contracts_read: contract:"),
+    ("contracts_read", '{"contract": 99}', "error: there is no contract 99"),
+    ("db_upsert", '{"table": "auth_user", "columns": ["id"], "rows": [[1]]}', "error: invalid arguments for db_upsert"),
+    ("email_send", '{"to": [], "subject": "s", "body": "b"}', "error: invalid arguments for email_send: to:"),
+    ("rm_rf", "{}", "error: there is no tool 'rm_rf'"),
+])
+def test_a_bad_call_is_an_error_the_model_can_read(name, arguments, error):
+    ok, result = toolbox.call(None, name, arguments, ALL)
+    assert not ok and result.startswith(error), result
+
+
+def test_a_tool_not_offered_to_this_task_is_refused():
+    ok, result = toolbox.call(None, "email_send", '{"to": ["a@example.org"], "subject": "s", "body": "b"}',
+                              ["contracts_read"])
+    assert not ok and result == "error: there is no tool 'email_send'; the tools are: contracts_read"
+
+
+def test_db_query_reads_and_cannot_write_whatever_the_statement_hides():
+    DemoSource.objects.create(id=1, amount=2.5)
+    ok, result = toolbox.call(None, "db_query", '{"sql": "SELECT id, amount FROM demo_source"}', ALL)
+    assert ok and result["columns"] == ["id", "amount"] and result["rows"] == [[1, 2.5]]
+    ok, result = toolbox.call(None, "db_query", '{"sql": "DELETE FROM demo_source"}', ALL)
+    assert not ok and "one SELECT statement" in result
+    ok, result = toolbox.call(None, "db_query", '{"sql": "WITH gone AS (DELETE FROM demo_source RETURNING id) '
+                                                'SELECT * FROM gone"}', ALL)
+    assert not ok and result.startswith("error: the query failed")
+    assert DemoSource.objects.count() == 1
