@@ -22,6 +22,8 @@ the same payload answers the first event (`duplicate`), another payload is refus
 Merge: a mergeable type's new event supersedes its group's (task, type, merge_key) pending
 events received in the last ORCH_INBOX_MERGE_SECONDS, and becomes visible that long after
 the last of a burst, at most ORCH_INBOX_MERGE_CAP_SECONDS after its first.
+A mergeable event whose `occurred_at` is older than the newest seen in its group is recorded
+`rejected` with the outcome "ignored: stale" (it is never applied).
 Backpressure: past ORCH_INBOX_SHED_P4_AT / _P3_AT / _P2_AT pending events, new P4 / P3 / P2
 events are refused with Retry-After (429) and kept as `shed` rows (counted, listed); P0 and
 P1 are always accepted; at ORCH_INBOX_PAUSE_AT pending the task pauses and its operators
@@ -239,6 +241,12 @@ def send(*, task_id: int, type: str, payload: dict | None = None, priority=None,
                       actor_name=getattr(actor, "username", "") or source, source_event_id=source_event_id,
                       payload=clean, payload_sha256=payload_hash, merge_key=merge_key[:200], occurred_at=occurred_at,
                       visible_at=now)
+        stale = _stale(task, type, merge_key, occurred_at) if event_type.mergeable and occurred_at else ""
+        if stale:
+            # Out of order: a later state of the same thing is known already. Recorded, not applied.
+            event = InboundEvent.objects.create(**fields, state=InboundState.REJECTED, outcome=stale)
+            task.save(update_fields=["inbox_seq"])
+            return Sent(event)
         if shed:
             InboundEvent.objects.create(**fields, state=InboundState.SHED, outcome=shed)
             task.save(update_fields=["inbox_seq"])
@@ -285,6 +293,17 @@ def _shed_reason(task: Task, priority: int) -> str:
         if everywhere >= limits["shed_all_at"]:
             return (f"{everywhere} P3/P4 events are pending across the installation (the limit is "
                     f"{limits['shed_all_at']}): try again in {RETRY_AFTER_SECONDS} s")
+    return ""
+
+
+def _stale(task: Task, type_name: str, merge_key: str, occurred_at: datetime) -> str:
+    """An event whose occurred_at is older than the newest seen in its group is stale."""
+    newest = (InboundEvent.objects.filter(task=task, type=type_name, merge_key=merge_key[:200],
+                                          occurred_at__isnull=False).exclude(state=InboundState.SHED)
+              .order_by("-occurred_at").values_list("occurred_at", flat=True).first())
+    if newest is not None and occurred_at < newest:
+        return (f"ignored: stale (it occurred at {occurred_at.isoformat()}; an event of its group that occurred at "
+                f"{newest.isoformat()} was received already)")
     return ""
 
 

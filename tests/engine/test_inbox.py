@@ -2,8 +2,10 @@
 operator controls as inbox events with their outcomes, and consumption at resume points —
 on the real engine and database. The kill -9 tests are at the end (real workers)."""
 import threading
+from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from orchestrator.engine import inbox, services
 from orchestrator.engine.worker import drive_inline
@@ -158,6 +160,21 @@ def test_a_burst_of_mergeable_events_collapses_into_the_newest(settings):
     newest = InboundEvent.objects.get(pk=events[2].pk)
     assert newest.state == "consumed" and newest.outcome.startswith("recorded")
     assert InboundEvent.objects.get(pk=events[0].pk).state == "merged"
+
+
+def test_an_event_older_than_the_newest_of_its_group_is_recorded_stale_and_never_applied():
+    task = growing(mode="chain", items=2)
+    now = timezone.now()
+    newer = send(task, type="upstream.ready", payload={"resource": "orders", "v": 2}, merge_key="orders",
+                 occurred_at=now).event
+    late = send(task, type="upstream.ready", payload={"resource": "orders", "v": 1}, merge_key="orders",
+                occurred_at=now - timedelta(seconds=30)).event
+    assert late.state == "rejected" and late.outcome.startswith("ignored: stale (it occurred at")
+    assert InboundEvent.objects.get(pk=newer.pk).state == "pending"  # not superseded by the stale one
+    assert Task.objects.get(pk=task.pk).inbox_pending == 1
+    # Another group, or no occurred_at, is not compared.
+    assert send(task, type="upstream.ready", payload={"resource": "stock"}, merge_key="stock",
+                occurred_at=now - timedelta(seconds=60)).event.state == "pending"
 
 
 # --- the operator controls in the inbox --------------------------------------------------------
