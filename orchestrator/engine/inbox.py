@@ -15,7 +15,9 @@ Priorities:
   `instruction`, `approval.decided` (the task type's handler decides what it means).
 - P3 updates state at the next resume point (`upstream.ready`); P4 is recorded only
   (`progress.external`) and expires after ORCH_INBOX_P4_TTL_SECONDS.
-- P2 (the retry / compensation policy) is not built yet: a P2 event is refused (422).
+- P2 `unit.failed` {"step", "error"}: at the next resume point the named step's retry policy
+  applies as if it had failed with that error (a running step is cancelled first); a step
+  already finished is not compensated (the event is rejected, saying so).
 
 Dedupe: `source_event_id` is unique per (task, source) for the task's life; a repeat with
 the same payload answers the first event (`duplicate`), another payload is refused (409).
@@ -87,6 +89,12 @@ class Preempt(BaseModel):
     reason: str = Field("", max_length=500)
 
 
+class UnitFailed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    step: str = Field(..., min_length=1, max_length=200, description="the step (unit) that failed outside the task")
+    error: str = Field(..., min_length=1, max_length=2000, description="what failed: the upstream's words")
+
+
 class SubtaskDone(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -120,6 +128,9 @@ REGISTRY: dict[str, EventType] = {t.name: t for t in (
     EventType("resume", 1, NoPayload, OPERATORS_ONLY, description="continue a paused task from its checkpoint"),
     EventType("preempt", 0, Preempt, OPERATORS_ONLY,
               description="suspend the current work, run an urgent subtask first, then continue"),
+    EventType("unit.failed", 2, UnitFailed, {"operator": 2, "system": 2, "webhook": 2, "internal": 2},
+              description="a step failed outside the task (upstream degraded, a timeout fired): its retry policy "
+                          "applies"),
     EventType("subtask.done", 3, SubtaskDone, {"internal": 3},
               description="an urgent subtask finished and its frame was popped (written by the engine)"),
     EventType("user.message", 1, UserMessage, description="a message to a running agent"),
@@ -163,7 +174,8 @@ def accepted_types(task_type) -> tuple[str, ...]:
     """The event types a task of `task_type` takes: the controls and the information types,
     plus those its type handles (TaskType.event_types) or its steps wait for
     (TaskType.awaited_event_types)."""
-    return (*CONTROL_TYPES, "upstream.ready", "progress.external", *(("preempt",) if task_type.subtasks else ()),
+    return (*CONTROL_TYPES, "upstream.ready", "progress.external", "unit.failed",
+            *(("preempt",) if task_type.subtasks else ()),
             *getattr(task_type, "event_types", ()), *getattr(task_type, "awaited_event_types", ()))
 
 
@@ -186,9 +198,9 @@ def validate(task: Task, type_name: str, priority, payload, source: str) -> tupl
     if priority < ceiling:
         raise InboxRefused(422, f"{source_kind(source)} senders may send {type_name!r} at P{ceiling} at most "
                                 f"(asked for P{priority})", field="priority")
-    if priority == 2:
-        raise InboxRefused(422, "P2 (recovery) events are not supported yet: send P1 to act at the next resume "
-                                "point, or P3 to update state", field="priority")
+    if (priority == 2) != (event_type.default_priority == 2):
+        raise InboxRefused(422, "P2 (recovery) is the priority of unit.failed, which applies a step's retry policy; "
+                                "send P1 to act at the next resume point, or P3 to update state", field="priority")
     if type_name in CONTROL_TYPES and priority != event_type.default_priority:
         raise InboxRefused(422, f"{type_name!r} is always P{event_type.default_priority}", field="priority")
     encoded = json.dumps(payload if payload is not None else {}, separators=(",", ":"))

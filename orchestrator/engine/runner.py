@@ -38,6 +38,11 @@ from .preemption import top_finished
 log = logging.getLogger(__name__)
 
 PREEMPTED = "preempted"  # the cancellation reason of a step interrupted by a preempt event
+UNIT_FAILED = "failed outside the task"  # ... of a running step a unit.failed event names
+
+
+class UpstreamFailure(Exception):
+    """A step's failure reported from outside the task (a P2 unit.failed event)."""
 
 RETRY_BACKOFF_BASE_SECONDS = 0.5
 RETRY_BACKOFF_MAX_SECONDS = 30.0
@@ -204,6 +209,10 @@ class Runner:
         self.preempting = False
         self.preempt_seen_at = None
         self.interrupted: list[str] = []
+        # P2 unit.failed: failures reported for steps in flight (applied when they settle)
+        # and for pending steps (applied once the consumption committed).
+        self.unit_failures: dict[str, Exception] = {}
+        self.unit_failures_pending: list[tuple[str, Exception]] = []
 
     # --- signals from the supervisor ------------------------------------------------
     def request(self, control: str) -> bool:
@@ -343,7 +352,9 @@ class Runner:
         consumed, accepted, stack = [], [], None
         for event in events:
             frame = None
-            if event.type == "preempt":
+            if event.type == "unit.failed":
+                applied = self.fail_unit(event)
+            elif event.type == "preempt":
                 depth = len(stack if stack is not None else self.plan.stack)
                 applied, frame = preemption.apply(self.task_type, event, self.params, self.plan, depth=depth,
                                                   interrupted=self.interrupted, seen_at=self.preempt_seen_at)
@@ -365,6 +376,9 @@ class Runner:
                 self.lose_lease()
                 return
             log.info("inbox: %d event(s) consumed", len(consumed), extra={"task_id": self.lease.task_id})
+        for step_id, failure in self.unit_failures_pending:
+            self.step_failed(step_id, failure, None)
+        self.unit_failures_pending = []
         if self.preempting and not any(e.type == "preempt" for e in events):
             pass  # the preempt is not visible to this resume point yet: keep holding
         elif self.preempting:
@@ -487,6 +501,9 @@ class Runner:
             self.lose_lease()
             return
         except Cancelled as exc:
+            if exc.reason == UNIT_FAILED and step_id in self.unit_failures and not self.token.cancelled:
+                self.step_failed(step_id, self.unit_failures.pop(step_id), flight)
+                return
             if ctx.completed_effects and not self.lease_lost:
                 self.record_failure(flight, "cancelled", retrying=True)
             if exc.reason == PREEMPTED and not self.token.cancelled:
@@ -519,24 +536,7 @@ class Runner:
                 self.record_failure(flight, f"interrupted by a preempt: {type(exc).__name__}: {exc}", retrying=True)
                 self.interrupted.append(step_id)
                 return
-            # The step's own failure: retry with backoff, then its failure policy.
-            attempts = self.plan.attempts.get(step_id, 0) + 1
-            cause = exc.error if isinstance(exc, EffectFailed) else exc
-            fingerprint = failure_fingerprint(cause)
-            repeated = self.plan.fingerprints.get(step_id) == fingerprint
-            # While a request winds the task down a failure is left for the next run to retry:
-            # no policy applies to a step that was being interrupted.
-            retrying = self.token.cancelled or (attempts < harness.step_max_attempts and not repeated)
-            error = f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_tb(exc.__traceback__)[-3:])}"
-            log.warning("step failed (attempt %s)%s", attempts, ", retrying" if retrying else "", extra=extra)
-            self.record_failure(flight, error, retrying=retrying, fingerprint=fingerprint)
-            if retrying:
-                delay = min(RETRY_BACKOFF_BASE_SECONDS * 2 ** (attempts - 1), RETRY_BACKOFF_MAX_SECONDS)
-                self.not_before[step_id] = time.monotonic() + delay
-            elif not self.lease_lost:
-                self.give_up(step_id, f"step {step_id} failed " + (
-                    f"twice the same way ({type(cause).__name__}: {str(cause)[:200]}); retrying will not help"
-                    if repeated else f"after {attempts} attempts: {type(cause).__name__}: {str(cause)[:300]}"))
+            self.step_failed(step_id, exc, flight)
             return
         self._tokens_this_run = self.tokens_this_run() + ctx.tokens_used
         try:
@@ -586,14 +586,58 @@ class Runner:
         else:
             self.needs_human = f"{why}. Fix the cause and resume, or skip the step."
 
-    def record_failure(self, flight: InFlight, error: str, *, retrying: bool, fingerprint: str = "") -> None:
+    def step_failed(self, step_id: str, exc: Exception, flight: "InFlight | None") -> None:
+        """A failed attempt (the step's own, or one an inbox event reported: `flight` is then
+        None for a step that was not running): retry with backoff, then its failure policy."""
+        extra = {"task_id": self.lease.task_id, "step_id": step_id, "lease_epoch": self.lease.epoch}
+        attempts = self.plan.attempts.get(step_id, 0) + 1
+        cause = exc.error if isinstance(exc, EffectFailed) else exc
+        fingerprint = failure_fingerprint(cause)
+        repeated = self.plan.fingerprints.get(step_id) == fingerprint
+        # While a request winds the task down a failure is left for the next run to retry:
+        # no policy applies to a step that was being interrupted.
+        retrying = self.token.cancelled or (attempts < harness.step_max_attempts and not repeated)
+        error = f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_tb(exc.__traceback__)[-3:])}"
+        log.warning("step failed (attempt %s)%s", attempts, ", retrying" if retrying else "", extra=extra)
+        self.record_failure(flight, error, retrying=retrying, fingerprint=fingerprint, step_id=step_id)
+        if retrying:
+            delay = min(RETRY_BACKOFF_BASE_SECONDS * 2 ** (attempts - 1), RETRY_BACKOFF_MAX_SECONDS)
+            self.not_before[step_id] = time.monotonic() + delay
+        elif not self.lease_lost:
+            self.give_up(step_id, f"step {step_id} failed " + (
+                f"twice the same way ({type(cause).__name__}: {str(cause)[:200]}); retrying will not help"
+                if repeated else f"after {attempts} attempts: {type(cause).__name__}: {str(cause)[:300]}"))
+
+    def record_failure(self, flight: "InFlight | None", error: str, *, retrying: bool, fingerprint: str = "",
+                       step_id: str = "") -> None:
         try:
             checkpoint.commit_step_failure(
-                lease=self.lease, plan=self.plan, step_id=flight.step_id, error=error, retrying=retrying,
-                effects=flight.ctx.completed_effects, started_at=flight.started_at,
-                reads=flight.ctx.params.keys_read, fingerprint=fingerprint)
+                lease=self.lease, plan=self.plan, step_id=flight.step_id if flight else step_id, error=error,
+                retrying=retrying, effects=flight.ctx.completed_effects if flight else [],
+                started_at=flight.started_at if flight else timezone.now(),
+                reads=flight.ctx.params.keys_read if flight else [], fingerprint=fingerprint)
         except LeaseLost:
             self.lose_lease()
+
+    # --- P2: a step that failed outside the task --------------------------------------------
+    def fail_unit(self, event) -> inbox.Applied:
+        """A `unit.failed` event at a resume point: the named step's retry policy applies as
+        if it had failed with the event's error (a running step is cancelled first)."""
+        step_id = event.payload["step"]
+        status = self.plan.status.get(step_id)
+        if status is None:
+            return inbox.Applied(f"rejected: the task has no step {step_id!r}", state=InboundState.REJECTED)
+        if status in (StepStatus.DONE, StepStatus.SKIPPED):
+            return inbox.Applied(f"rejected: step {step_id} is {status} already; nothing is compensated (roll back "
+                                 f"to a version before it, or edit, to run it again)", state=InboundState.REJECTED)
+        failure = UpstreamFailure(f"reported by event #{event.seq} ({event.source}): {event.payload['error']}")
+        if step_id in self.flights:
+            self.unit_failures[step_id] = failure
+            self.flights[step_id].token.cancel(UNIT_FAILED)
+            return inbox.Applied(f"step {step_id} was running: cancelled, and it counts as a failed attempt; its "
+                                 f"retry policy applies")
+        self.unit_failures_pending.append((step_id, failure))
+        return inbox.Applied(f"step {step_id} counts as a failed attempt; its retry policy applies")
 
     def take_active_seconds(self) -> float:
         now = time.monotonic()

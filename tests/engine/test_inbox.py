@@ -257,3 +257,53 @@ def test_an_event_is_consumed_exactly_once_across_a_kill(point, start_workers, t
     assert event.state == "consumed"
     assert Step.objects.filter(task=task, added_by="inbox#1").count() == 3
     assert TaskEvent.objects.filter(task=task, kind="inbox_consumed").count() == 1
+
+
+# --- P2: a step that failed outside the task ------------------------------------------------------
+
+def test_a_p2_unit_failed_for_a_pending_step_counts_a_failed_attempt_and_its_retry_policy_applies():
+    task = growing(mode="chain", items=3)
+    sent = send(task, type="unit.failed", payload={"step": "link-0", "error": "upstream degraded"}).event
+    assert sent.priority == 2
+    missing = send(task, type="unit.failed", payload={"step": "nope", "error": "x"}).event
+    assert drive_inline(task.pk) == "completed"
+    assert InboundEvent.objects.get(pk=sent.pk).outcome == "step link-0 counts as a failed attempt; its retry policy applies"
+    assert InboundEvent.objects.get(pk=missing.pk).outcome == "rejected: the task has no step 'nope'"
+    link = Step.objects.get(task=task, step_id="link-0")
+    assert link.status == "done" and link.attempts == 2  # the reported failure, then the retry that passed
+    failed = TaskEvent.objects.get(task=task, kind="step_failed")
+    assert failed.payload["step"] == "link-0" and "upstream degraded" in failed.payload["error"]
+
+
+def test_a_p2_unit_failed_cancels_the_running_step_and_past_its_attempts_the_policy_decides(settings):
+    settings.ORCH_STEP_MAX_ATTEMPTS = 1
+    task = growing(mode="chain", items=2, link_ms=3000)
+
+    def report_when_running():
+        wait_for(lambda: any(a.get("label") == "link-0" for a in Task.objects.get(pk=task.pk).activities or []),
+                 timeout=20, message="link-0 running")
+        send(task, type="unit.failed", payload={"step": "link-0", "error": "the upstream timed out"})
+
+    reporter = threading.Thread(target=report_when_running)
+    reporter.start()
+    outcome = drive_inline(task.pk)
+    reporter.join()
+    task = Task.objects.get(pk=task.pk)
+    assert outcome == "needs_human" and "the upstream timed out" in task.status_reason
+    event = InboundEvent.objects.get(task=task, type="unit.failed")
+    assert event.state == "consumed"
+    assert event.outcome == ("step link-0 was running: cancelled, and it counts as a failed attempt; its retry "
+                             "policy applies")
+    # Cancelled long before its 3 s of work were over.
+    assert (event.consumed_at - event.created_at).total_seconds() < 2
+    assert Step.objects.get(task=task, step_id="link-0").status == "failed"
+
+
+def test_a_p2_unit_failed_for_a_finished_step_is_rejected_nothing_is_compensated():
+    task = growing(mode="chain", items=1)
+    assert drive_inline(task.pk) == "completed"
+    Task.objects.filter(pk=task.pk).update(status="paused")  # a task at rest that still takes events
+    event = send(task, type="unit.failed", payload={"step": "link-0", "error": "late news"}).event
+    services.task_resume(task_id=task.pk)
+    drive_inline(task.pk)
+    assert InboundEvent.objects.get(pk=event.pk).outcome.startswith("rejected: step link-0 is done already")
