@@ -270,11 +270,15 @@ def send(*, task_id: int, type: str, payload: dict | None = None, priority=None,
                 fields["visible_at"] = _merge(task, type, merge_key, now)
             event = InboundEvent.objects.create(**fields)
             if event_type.mergeable:
-                merged = (InboundEvent.objects.filter(task=task, type=type, merge_key=merge_key[:200],
-                                                      state=InboundState.PENDING,
-                                                      created_at__gte=now - timedelta(seconds=harness.inbox["merge_seconds"]))
-                          .exclude(pk=event.pk).update(state=InboundState.MERGED, superseded_by=event,
-                                                       outcome=f"merged into #{event.seq}"))
+                superseded = list(InboundEvent.objects.filter(
+                    task=task, type=type, merge_key=merge_key[:200], state=InboundState.PENDING,
+                    created_at__gte=now - timedelta(seconds=harness.inbox["merge_seconds"]))
+                    .exclude(pk=event.pk).values_list("pk", flat=True))
+                merged = InboundEvent.objects.filter(pk__in=superseded).update(
+                    state=InboundState.MERGED, superseded_by=event, outcome=f"merged into #{event.seq}")
+                # The burst collapses into the newest: rows merged earlier point at it too.
+                InboundEvent.objects.filter(task=task, state=InboundState.MERGED, superseded_by__in=superseded).update(
+                    superseded_by=event, outcome=f"merged into #{event.seq}")
                 task.inbox_pending -= merged
             task.inbox_pending += 1
             task.save(update_fields=["inbox_seq", "inbox_pending", "updated_at"])

@@ -142,7 +142,9 @@ def test_a_burst_of_twenty_mergeable_events_to_a_running_task_is_applied_once(st
 
     burst = list(InboundEvent.objects.filter(task=task, type="upstream.ready").order_by("seq"))
     assert len(burst) == 20
-    assert (burst[-1].created_at - burst[0].created_at).total_seconds() < 1.0, "not a burst within 1 s"
+    # Sent at once; one web process takes them in about a second (more on a busy machine):
+    # what the merge needs is that they all arrive within one merge window of each other.
+    assert (burst[-1].created_at - burst[0].created_at).total_seconds() < 1.5, "not a burst within the merge window"
     newest = burst[-1]
     wait_for(lambda: InboundEvent.objects.get(pk=newest.pk).state == "consumed", timeout=20,
              message="the newest event of the burst consumed")
@@ -153,15 +155,10 @@ def test_a_burst_of_twenty_mergeable_events_to_a_running_task_is_applied_once(st
     assert states == ["merged"] * 19 + ["consumed"]
     assert listed[newest.pk]["payload"] == {"resource": "orders", "n": newest.payload["n"]}
     assert listed[newest.pk]["consumed_in_version"] is not None
-    # Each merged event names the one that superseded it (the next of the burst, which was the
-    # newest when it came); following them always ends at the newest, the one applied.
+    # The burst collapsed into the newest: each of the 19 names it.
     for event in burst[:-1]:
-        hop, seen = listed[event.pk], 0
-        assert hop["outcome"] == f"merged into #{listed[hop['superseded_by']]['seq']}"
-        while hop["superseded_by"] is not None:
-            hop, seen = listed[hop["superseded_by"]], seen + 1
-            assert seen <= 20
-        assert hop["event_id"] == newest.pk
+        assert listed[event.pk]["superseded_by"] == newest.pk
+        assert listed[event.pk]["outcome"] == f"merged into #{newest.seq}"
     # Applied once: one consumption in the progress log takes it, and it names none of the 19.
     consumptions = TaskEvent.objects.filter(task=task, kind="inbox_consumed").values_list("payload", flat=True)
     taken = [e["seq"] for payload in consumptions for e in payload["events"]]
