@@ -14,6 +14,8 @@ DATABASE_URL (default postgres://postgres@127.0.0.1:5432/bench_events; created i
   none merges), and their figure includes that wait.
 - P0 pause -> the runner's acknowledgement: `Task.control_acknowledged_at - control_requested_at`
   for a pause of that running task (resumed between rounds).
+- P0 preempt -> the running step interrupted: the frame's `interrupted_after_ms` (the event's
+  created_at to the runner cancelling the steps in flight), demo.contracts pacing 2 s each.
 Prints figures, asserts nothing.
 """
 import json
@@ -176,6 +178,24 @@ def main() -> int:
             services.task_resume(task_id=task.pk)
         services.task_terminate(task_id=task.pk, reason="bench: done")
 
+        # P0 preempt -> the steps in flight interrupted (the frame records how long after the
+        # event arrived the runner cancelled them): demo.contracts pacing 2 s per contract.
+        batch = services.task_create(type="demo.contracts", params={"count": 20, "pace_seconds": 2.0},
+                                     limits={"max_subtasks": 1})
+        interrupts = []
+        for i in range(min(rounds, 8)):
+            wait_until(lambda: any(a.get("label", "").startswith("contract-")
+                                   for a in Task.objects.get(pk=batch.pk).activities or [])
+                       and not Task.objects.get(pk=batch.pk).stack, 60, 0.01, stack)
+            time.sleep(0.3)  # well inside the contract's 2 s
+            seq = inbox.send(task_id=batch.pk, type="preempt",
+                             payload={"subtask": "reparse", "args": {"contract": 1 + i}}).event.seq
+            frame = wait_until(lambda: next((f for f in Task.objects.get(pk=batch.pk).stack if f["event"] == seq),
+                                            None), 30, 0.005, stack)
+            if frame.get("interrupted_after_ms") is not None:
+                interrupts.append(frame["interrupted_after_ms"])
+        services.task_terminate(task_id=batch.pk, reason="bench: done")
+
         print(f"\n== Latency on a running task (bench.listener, 20 ms steps), {per_priority} events per priority "
               f"sent one at a time (engine inbox.send) ==")
         print(f"  {'what':<44} {'n':>4} {'p50 ms':>9} {'p95 ms':>9}")
@@ -184,6 +204,8 @@ def main() -> int:
         for priority, values in latency.items():
             print(f"  {names[priority]:<44} {len(values):>4} {pct(values, 50):>9.1f} {pct(values, 95):>9.1f}")
         print(f"  {'P0 pause -> runner acknowledged':<44} {len(acks):>4} {pct(acks, 50):>9.1f} {pct(acks, 95):>9.1f}")
+        print(f"  {'P0 preempt -> running step interrupted':<44} {len(interrupts):>4} {pct(interrupts, 50):>9.1f} "
+              f"{pct(interrupts, 95):>9.1f}")
     finally:
         stack.stop()
         for task_id in targets:
