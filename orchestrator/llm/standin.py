@@ -357,12 +357,22 @@ def _amounts(result: str) -> list[tuple[str, float]]:
         data = None
     found: list[tuple[str, float]] = []
 
+    def as_number(value):
+        # A model reads "12500.00" as a number too (decimal amounts often travel as strings).
+        if isinstance(value, bool):
+            return None
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str) and re.fullmatch(r"-?\d+(?:\.\d+)?", value.strip()):
+            return float(value)
+        return None
+
     def walk(node):
         if isinstance(node, dict):
-            number = next((node[k] for k in ("amount", "value", "total") if isinstance(node.get(k), (int, float))
-                           and not isinstance(node.get(k), bool)), None)
+            number = next((as_number(node[k]) for k in ("amount", "value", "total")
+                           if as_number(node.get(k)) is not None), None)
             if number is not None and isinstance(node.get("currency"), str):
-                found.append((node["currency"].upper(), float(number)))
+                found.append((node["currency"].upper(), number))
             for child in node.values():
                 walk(child)
         elif isinstance(node, list):

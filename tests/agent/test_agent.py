@@ -139,3 +139,29 @@ def test_a_call_that_needs_approval_waits_without_a_worker_and_runs_or_returns_t
         assert len(smtp.received) == 1 and not answer.startswith("rejected")
     else:
         assert not smtp.received and answer == "rejected by the reviewer: not this week"
+
+
+def test_the_20_contracts_goal_reads_all_20_totals_them_right_and_sends_one_email_after_approval(model, smtp):
+    from decimal import Decimal
+
+    from orchestrator.tasktypes.contract_extraction import MalformedContract, list_samples, read_contract
+
+    task = agent("Parse the 20 contracts and email a summary to ops@example.org", require_approval=["email_send"])
+    assert drive_inline(task.pk) == "waiting"  # the email waits for its approval, holding no worker
+    reads = Step.objects.filter(task=task, step_id__startswith="tool-", result__name="contracts_read")
+    assert reads.count() == 20 and not smtp.received
+    inbox.send(task_id=task.pk, type="approval.decided", payload={"approved": True, "note": "looks right"})
+    assert drive_inline(task.pk) == "completed"
+    [mail] = smtp.received
+    # The totals the email states are the sums of every amount in the 20 contracts.
+    expected: dict[str, Decimal] = {}
+    for path in list_samples()[:20]:
+        try:
+            found = read_contract(path)
+        except MalformedContract:
+            continue
+        for amount in found["amounts"]:
+            expected[amount["currency"]] = expected.get(amount["currency"], Decimal(0)) + Decimal(amount["value"])
+    body = mail.get_payload()
+    stated = body.split("Total of the amounts: ", 1)[1].splitlines()[0]
+    assert stated == "; ".join(f"{c} {v:,.2f}" for c, v in sorted(expected.items()))
