@@ -18,8 +18,8 @@ from review.models import ReviewItem
 from .engine import webhooks
 from .engine.audit import audit
 from .models import (
-    ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, InboundEvent,
-    Snapshot, Step, StepResult, Task, TaskEvent, WalEntry, WebhookSource,
+    AgentMessage, ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord,
+    InboundEvent, RetentionRun, Snapshot, Step, StepResult, Task, TaskEvent, WalEntry, WebhookSource,
 )
 
 admin.site.site_header = "Orchestrator administration"
@@ -318,6 +318,28 @@ class InboundEventAdmin(TaskRecordAdmin):
                     "created_at", "consumed_at")
     list_filter = (TaskFilter, "state", "priority", "type", "created_at")
     search_fields = ("=task__id", "type", "source", "source_event_id", "actor_name")
+    date_hierarchy = "created_at"
+    list_select_related = ("task",)
+
+
+@admin.register(RetentionRun)
+class RetentionRunAdmin(ReadOnlyAdmin):
+    """What each run of the retention rules pruned, and when (engine/retention.py)."""
+
+    list_display = ("started_at", "finished_at", "tasks", "stream_events_deleted", "events_deleted", "wal_deleted",
+                    "idempotency_deleted", "error")
+    list_filter = ("started_at",)
+    date_hierarchy = "started_at"
+
+
+@admin.register(AgentMessage)
+class AgentMessageAdmin(TaskRecordAdmin):
+    """Agents' dialogs, message by message, as the model saw them (read-only)."""
+
+    list_display = ("id", task_link, "turn", "order", "role", "name", "interrupted", "prompt_tokens",
+                    "completion_tokens", "created_at")
+    list_filter = (TaskFilter, "role", "interrupted", "created_at")
+    search_fields = ("=task__id", "tool_call_id", "name")
     date_hierarchy = "created_at"
     list_select_related = ("task",)
 

@@ -82,6 +82,15 @@ TABLE: tuple[Setting, ...] = (
     Setting("ORCH_INBOX_MERGE_SECONDS", float, 1.5, "a mergeable event supersedes its group's pending ones this recent"),
     Setting("ORCH_INBOX_MERGE_CAP_SECONDS", float, 4.5, "a burst of mergeable events is delivered at most this late"),
     Setting("ORCH_INBOX_P4_TTL_SECONDS", float, 600.0, "a P4 event not consumed within this long expires"),
+    # --- retention of finished tasks (engine/retention.py); 0 turns a rule off
+    Setting("ORCH_RETAIN_STREAM_EVENTS_DAYS", float, 7.0,
+            "a finished task's token-level stream events (agent.stream) are dropped this long after it finished"),
+    Setting("ORCH_RETAIN_EVENTS_DAYS", float, 30.0,
+            "a finished task's progress log is compacted to a summary this long after it finished"),
+    Setting("ORCH_RETAIN_WAL_DAYS", float, 90.0,
+            "a finished task's WAL rows (those no review refers to) and idempotency records go this long after"),
+    Setting("ORCH_RETAIN_EVERY_SECONDS", float, 300.0, "how often the sweeper runs the retention rules"),
+    Setting("ORCH_RETAIN_BATCH_TASKS", int, 50, "tasks per rule per retention run (each in its own short transaction)"),
     # --- limits every task gets unless its creator overrides them
     Setting("ORCH_DEFAULT_MAX_STEPS", int, 100_000, "default max_steps of a task"),
     Setting("ORCH_DEFAULT_MAX_TOKENS", int, 10_000_000, "default max_tokens of a task"),
@@ -156,6 +165,11 @@ class HarnessSettings:
         return {name: getattr(settings, f"ORCH_INBOX_{name.upper()}") for name in (
             "shed_p4_at", "shed_p3_at", "shed_p2_at", "pause_at", "shed_all_at", "merge_seconds",
             "merge_cap_seconds", "p4_ttl_seconds")}
+
+    @property
+    def retention(self) -> dict:
+        return {name: getattr(settings, f"ORCH_RETAIN_{name.upper()}") for name in (
+            "stream_events_days", "events_days", "wal_days", "every_seconds", "batch_tasks")}
 
     @property
     def max_recovery_attempts(self) -> int:

@@ -72,6 +72,10 @@ class Task(models.Model):
     # The task stack (engine/preemption.py): a frame per urgent subtask that suspended the
     # work below it, newest last; the runner runs only the top frame's steps. Depth <= 4.
     stack = models.JSONField(default=list, blank=True)
+    # Retention (engine/retention.py): when each rule was applied to this finished task.
+    stream_events_dropped_at = models.DateTimeField(null=True, blank=True)
+    events_compacted_at = models.DateTimeField(null=True, blank=True)
+    wal_pruned_at = models.DateTimeField(null=True, blank=True)
 
     # When the task was last handed to the broker; the sweeper re-enqueues a queued task
     # nobody claimed for ORCH_REQUEUE_AFTER_SECONDS (a lost broker message strands nothing).
@@ -91,6 +95,8 @@ class Task(models.Model):
         ordering = ["-id"]
         indexes = [
             models.Index(fields=["status", "-id"], name="task_status_id"),
+            # The retention rules' query: finished tasks by age.
+            models.Index(fields=["finished_at"], name="task_finished_at"),
             models.Index(fields=["type", "-id"], name="task_type_id"),
             # The sweeper's query: running tasks by heartbeat age.
             models.Index(fields=["status", "heartbeat_at"], name="task_status_heartbeat"),
@@ -466,3 +472,23 @@ class AgentMemory(models.Model):
 
     class Meta:
         db_table = "agent_memory"
+
+
+class RetentionRun(models.Model):
+    """One run of the retention rules (engine/retention.py): what was pruned, when."""
+
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+    tasks = models.PositiveIntegerField(default=0)
+    stream_events_deleted = models.PositiveBigIntegerField(default=0)
+    events_deleted = models.PositiveBigIntegerField(default=0)
+    wal_deleted = models.PositiveBigIntegerField(default=0)
+    idempotency_deleted = models.PositiveBigIntegerField(default=0)
+    rules = models.JSONField(default=dict)  # the windows in force
+    error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-started_at"]
+
+    def __str__(self):
+        return f"retention run {self.started_at:%Y-%m-%d %H:%M}"

@@ -26,7 +26,7 @@ from .. import telemetry
 from ..conf import harness
 from ..outage import DATABASE_DOWN, OutageWatch
 from ..models import IdempotencyRecord, Task, TaskStatus as S, WalEntry, WalStatus
-from . import scheduler, states, wal
+from . import retention, scheduler, states, wal
 from .events import append_event
 from ..tasktypes import get_type
 
@@ -239,12 +239,16 @@ def sweep_loop(interval: float | None = None) -> None:
     interval = interval or max(0.5, harness.heartbeat_seconds)
     database = OutageWatch(log, "sweeper")
     recover_after = 0.0
+    retained_at = None
     while True:
         try:
             if time.monotonic() >= recover_after:
                 sweep()
             else:
                 requeue_unclaimed()
+            if retention.due_now(retained_at):
+                retained_at = timezone.now()
+                retention.run(retained_at)
         except DATABASE_DOWN as exc:
             database.failed(exc)
         except Exception:

@@ -1,0 +1,104 @@
+"""Retention prunes only what its rules allow: finished tasks past each window, never a
+running task, never a task with an open review, never a record inside its window; the
+audit log stays; each run is recorded."""
+from datetime import timedelta
+
+import pytest
+from django.core.management import call_command
+from django.utils import timezone
+
+from orchestrator import selectors
+from orchestrator.engine import retention, services
+from orchestrator.engine.worker import drive_inline
+from orchestrator.models import AuditEntry, IdempotencyRecord, RetentionRun, Task, TaskEvent, WalEntry
+from review.models import ReviewItem
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def finished_task(days_ago: float, **params) -> Task:
+    """A demo.migrate_rows task that really ran (steps, WAL, idempotency keys), finished `days_ago`."""
+    task = services.task_create(type="demo.migrate_rows", params={"rows": 300, "batch_size": 100, **params})
+    assert drive_inline(task.pk) == "completed"
+    Task.objects.filter(pk=task.pk).update(finished_at=timezone.now() - timedelta(days=days_ago))
+    TaskEvent.objects.create(task=task, seq=Task.objects.get(pk=task.pk).event_seq + 1000, kind="progress",
+                             payload={"message": "agent.stream", "text": "tok"})  # a token-level stream event
+    return Task.objects.get(pk=task.pk)
+
+
+def keys_of(task: Task) -> int:
+    return IdempotencyRecord.objects.filter(key__startswith=f"t{task.pk}:").count()
+
+
+def test_each_rule_prunes_finished_tasks_past_its_window_and_nothing_else(settings):
+    settings.ORCH_RETAIN_STREAM_EVENTS_DAYS, settings.ORCH_RETAIN_EVENTS_DAYS, settings.ORCH_RETAIN_WAL_DAYS = 7, 30, 90
+    old = finished_task(100)            # past every window
+    month = finished_task(40)           # past the stream and events windows, inside the WAL window
+    recent = finished_task(1)           # inside every window
+    running = services.task_create(type="demo.migrate_rows", params={"rows": 100, "batch_size": 100})
+    Task.objects.filter(pk=running.pk).update(status="running", finished_at=timezone.now() - timedelta(days=200))
+    before = {t.pk: (TaskEvent.objects.filter(task=t).count(), WalEntry.objects.filter(task=t).count(), keys_of(t))
+              for t in (old, month, recent)}
+    exported = selectors.task_export(old.pk)  # taken before pruning: it has everything
+    assert len(exported["events"]) == before[old.pk][0] and len(exported["wal"]) == before[old.pk][1]
+    audit_rows = AuditEntry.objects.count()
+
+    record = retention.run()
+
+    assert record.error == "" and record.tasks == 2 and record.finished_at is not None
+    # Stream events: gone from both old tasks, kept for the recent one.
+    streamed = TaskEvent.objects.filter(kind="progress", payload__message="agent.stream")
+    assert sorted(streamed.values_list("task_id", flat=True)) == [recent.pk]
+    # The progress log: compacted to a summary for both old tasks; the story kinds stay.
+    for task in (old, month):
+        kinds = set(TaskEvent.objects.filter(task=task).values_list("kind", flat=True))
+        assert "step_done" not in kinds and {"planned", "compacted"} <= kinds
+        summary = TaskEvent.objects.get(task=task, kind="compacted").payload
+        assert summary["deleted"]["step_done"] == 4 and summary["rule"] == "ORCH_RETAIN_EVENTS_DAYS=30"
+    assert TaskEvent.objects.filter(task=recent, kind="step_done").count() == 4
+    # WAL and idempotency records: only for the task past 90 days.
+    assert WalEntry.objects.filter(task=old).count() == 0 and keys_of(old) == 0
+    assert (WalEntry.objects.filter(task=month).count(), keys_of(month)) == before[month.pk][1:]
+    assert (WalEntry.objects.filter(task=recent).count(), keys_of(recent)) == before[recent.pk][1:]
+    # A running task is never touched, however old its stamps; the audit log is never pruned.
+    assert TaskEvent.objects.filter(task=running).count() >= 1 and Task.objects.get(pk=running.pk).events_compacted_at is None
+    assert AuditEntry.objects.count() == audit_rows
+    assert record.stream_events_deleted == 2 and record.wal_deleted == before[old.pk][1]
+    assert record.idempotency_deleted == before[old.pk][2]
+    # Each rule is applied once: a second run finds nothing due.
+    again = retention.run()
+    assert again.tasks == 0 and RetentionRun.objects.count() == 2
+
+
+def test_a_task_with_an_open_review_is_never_touched_and_reviewed_wal_rows_are_kept(settings):
+    settings.ORCH_RETAIN_EVENTS_DAYS, settings.ORCH_RETAIN_WAL_DAYS = 30, 90
+    open_review = finished_task(100)
+    decided = finished_task(100)
+    for task, status in ((open_review, "open"), (decided, "decided")):
+        entry = WalEntry.objects.filter(task=task).first()
+        ReviewItem.objects.create(task=task, wal_entry=entry, status=status, reason="test: in doubt")
+    retention.run()
+    assert Task.objects.get(pk=open_review.pk).events_compacted_at is None
+    assert TaskEvent.objects.filter(task=open_review, kind="step_done").count() == 4
+    assert WalEntry.objects.filter(task=open_review).count() == 4  # prepare-source and 3 batches
+    # Decided: pruned, but the WAL row its review refers to stays with the review.
+    assert list(WalEntry.objects.filter(task=decided).values_list("review_item__status", flat=True)) == ["decided"]
+
+
+def test_a_rule_set_to_zero_is_off_and_the_command_says_what_it_did(settings, capsys):
+    settings.ORCH_RETAIN_STREAM_EVENTS_DAYS = settings.ORCH_RETAIN_EVENTS_DAYS = settings.ORCH_RETAIN_WAL_DAYS = 0
+    task = finished_task(1000)
+    call_command("retention")
+    assert "retention: 0 task(s)" in capsys.readouterr().out
+    assert TaskEvent.objects.filter(task=task, kind="step_done").count() == 4
+
+
+@pytest.mark.workers
+def test_the_sweeper_runs_the_rules_on_its_schedule(start_sweeper):
+    from tests.conftest import wait_for
+
+    task = finished_task(100)
+    start_sweeper(ORCH_RETAIN_EVERY_SECONDS=0.5)
+    wait_for(lambda: Task.objects.get(pk=task.pk).wal_pruned_at is not None, timeout=30, message="the WAL pruned")
+    assert RetentionRun.objects.filter(tasks__gte=1).exists()
+    assert WalEntry.objects.filter(task=task).count() == 0 and keys_of(task) == 0
