@@ -655,10 +655,15 @@ def commit_events(*, lease: Lease, plan: PlanState, consumed: list, stack: list 
     a frame, a snapshot version, a progress event.
     `consumed`: (InboundEvent, inbox.Applied) pairs. Returns the new version."""
     now = timezone.now()
-    added = [addition for event, applied in consumed
-             for addition in additions(plan, applied.add_steps, f"{INBOX_ADDER}{event.seq}")]
     with transaction.atomic():
         task = lock_fenced(lease)
+        # Read before the row was locked: a sender may have merged one of them since (senders
+        # lock the row too). Only those still pending are consumed.
+        still = set(InboundEvent.objects.filter(pk__in=[e.pk for e, _ in consumed], state=InboundState.PENDING)
+                    .values_list("pk", flat=True))
+        consumed = [(event, applied) for event, applied in consumed if event.pk in still]
+        added = [addition for event, applied in consumed
+                 for addition in additions(plan, applied.add_steps, f"{INBOX_ADDER}{event.seq}")]
         task.checkpoint_version += 1
         task.event_seq += 1
         task.inbox_pending -= len(consumed)
