@@ -457,3 +457,17 @@ def test_a_search_with_a_nul_character_is_answered_not_a_server_error(client, vi
     client.force_login(viewer)
     assert client.get("/", {"q": "abc\x00def"}).status_code == 200
     assert client.get("/api/tasks", {"q": "\x00"}).status_code == 200
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_waiting_task_shows_what_it_waits_for_and_until_when(client, operator, settings):
+    from orchestrator.engine import services as engine_services
+    from orchestrator.engine.worker import drive_inline
+
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+    task = engine_services.task_create(type="test.approval", params={"timeout": 600})
+    assert drive_inline(task.pk) == "waiting"
+    client.force_login(operator)
+    body = client.get(detail_url(task.pk)).content.decode()
+    card = body.split('data-testid="waiting-card"', 1)[1].split("</div>\n  </div>", 1)[0]
+    assert "Waiting (no worker held)" in card and "approval.decided" in card and "until 20" in card
