@@ -18,7 +18,7 @@ from review.models import ReviewItem
 from .engine import webhooks
 from .engine.audit import audit
 from .models import (
-    AgentMessage, ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord,
+    AgentMemory, AgentMessage, ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord,
     InboundEvent, RetentionRun, Snapshot, Step, StepResult, Task, TaskEvent, WalEntry, WebhookSource,
 )
 
@@ -342,6 +342,18 @@ class AgentMessageAdmin(TaskRecordAdmin):
     search_fields = ("=task__id", "tool_call_id", "name")
     date_hierarchy = "created_at"
     list_select_related = ("task",)
+
+
+@admin.register(AgentMemory)
+class AgentMemoryAdmin(ReadOnlyAdmin):
+    """Agents' long-term memory (facts kept across tasks, written by memory_write through the WAL)."""
+
+    list_display = ("key", "task", "updated_at")
+    search_fields = ("key", "value")
+    date_hierarchy = "updated_at"
+
+    def has_delete_permission(self, request, obj=None):
+        return True  # forgetting a fact is an operator's call; the WAL keeps the write that made it
 
 
 @admin.register(StepResult)

@@ -10,8 +10,8 @@ from django.urls import reverse
 
 from orchestrator.engine import inbox, services
 from orchestrator.models import (
-    ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, InboundEvent,
-    Snapshot, Step, StepResult, Task, TaskEvent, WalEntry, WebhookSource,
+    AgentMemory, AgentMessage, ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, InboundEvent,
+    RetentionRun, Snapshot, Step, StepResult, Task, TaskEvent, WalEntry, WebhookSource,
 )
 from review.models import ReviewItem
 from review.services import review_decide, review_open
@@ -56,6 +56,9 @@ def records(superuser):
     DemoSource.objects.create(id=1, amount="1.5")
     DemoDestination.objects.create(id=1, amount="1.5")
     DemoContractExtraction.objects.create(contract="c1", task=task)
+    AgentMessage.objects.create(task=task, key="goal:g0", turn=0, order=1, role="user", content="alpha goal")
+    AgentMemory.objects.create(key="alpha fact", value="the books balance", task=task)
+    RetentionRun.objects.create(started_at=task.created_at, tasks=1, events_deleted=3)
     other = services.task_create(type="demo.contracts", params={}, title="beta contracts")
     send = WalEntry.objects.create(task=task, step_id="send-001", call_index=0, tool="email.send",
                                    idempotency_key="alpha-send-key", idempotent=False, lease_epoch=1,

@@ -27,7 +27,7 @@ def test_openapi_schema_is_public_and_lists_the_endpoints(client):
 
 def test_task_types_include_params_json_schema(client, operator):
     types = {t["name"]: t for t in client.get("/api/task-types", **bearer(operator)).json()}
-    assert set(types) == {"demo.migrate_rows", "demo.contracts", "demo.notify", "demo.pipeline"}
+    assert set(types) == {"demo.migrate_rows", "demo.contracts", "demo.notify", "demo.pipeline", "agent.plan_execute"}
     schema = types["demo.migrate_rows"]["params_schema"]
     assert schema["properties"]["batch_size"]["default"] == 500
 
