@@ -165,3 +165,33 @@ def test_the_20_contracts_goal_reads_all_20_totals_them_right_and_sends_one_emai
     body = mail.get_payload()
     stated = body.split("Total of the amounts: ", 1)[1].splitlines()[0]
     assert stated == "; ".join(f"{c} {v:,.2f}" for c, v in sorted(expected.items()))
+
+
+def test_a_user_message_supersedes_the_calls_of_the_last_turn_that_had_not_started(model, smtp, monkeypatch):
+    from orchestrator.agent import toolbox
+    from tests.conftest import wait_for
+
+    real_call = toolbox.call
+    sent = []
+
+    def call(ctx, name, arguments, allowed):
+        if name == "contracts_read" and not sent:
+            sent.append(inbox.send(task_id=ctx.task_id, type="user.message",
+                                   payload={"text": "stop reading, just send what you have"}).event)
+            # The runner's supervisor has seen it: it is consumed at the next resume point.
+            wait_for(lambda: ctx._runner.inbox_signal >= sent[0].seq, timeout=10, message="the message seen")
+        return real_call(ctx, name, arguments, allowed)
+
+    monkeypatch.setattr(toolbox, "call", call)
+    task = services.task_create(type="agent.plan_execute", params={"goal": GOAL}, limits={"max_subtasks": 1})
+    assert drive_inline(task.pk) == "completed"
+    answers = list(AgentMessage.objects.filter(task=task, role="tool", name="contracts_read", turn=2)
+                   .order_by("order").values_list("content", flat=True))
+    # The first read ran; the four the model had asked for in the same turn had not started.
+    assert not answers[0].startswith("skipped") and answers[1:] == ["skipped: superseded by a new user message"] * 4
+    # The next request has the turn's answers, then the message.
+    asked = next(r.body["messages"] for r in model.requests
+                 if any(m.get("content") == "stop reading, just send what you have" for m in r.body["messages"]))
+    at = [m.get("content") for m in asked].index("stop reading, just send what you have")
+    assert [m["role"] for m in asked[at - 5:at]] == ["tool"] * 5
+    assert_every_tool_call_answered(asked)

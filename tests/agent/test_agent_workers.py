@@ -125,3 +125,16 @@ def test_kill_9_during_an_idempotent_tool_call_replays_it_with_its_key(model, st
     assert entry.status == "done" and entry.idempotency_key.startswith(f"t{task.pk}:tool-")
     memory = AgentMemory.objects.get(key="contracts summary")
     assert memory.task_id == task.pk and "contract" in memory.value.lower()
+
+
+def test_stop_mid_stream_ends_the_call_at_once_and_keeps_what_had_streamed(model, start_workers):
+    start_workers(1, **model_env(model, "standin-planner+slow=0.1"))
+    task = services.task_create(type="agent.plan_execute", params={"goal": LONG_GOAL, "tools": []})
+    wait_for(lambda: TaskEvent.objects.filter(task=task, kind="progress", payload__message="agent.stream").exists(),
+             timeout=60, message="the answer streaming")
+    asked = time.monotonic()
+    services.task_stop(task_id=task.pk)
+    wait_for(lambda: Task.objects.get(pk=task.pk).status == "stopped", timeout=30, message="stopped")
+    assert time.monotonic() - asked < 2.5  # not the 6 s the answer would have taken
+    [partial] = AgentMessage.objects.filter(task=task, role="assistant", interrupted=True)
+    assert partial.content and not AgentMessage.objects.filter(task=task, role="assistant", interrupted=False)
