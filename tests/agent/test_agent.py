@@ -195,3 +195,25 @@ def test_a_user_message_supersedes_the_calls_of_the_last_turn_that_had_not_start
     at = [m.get("content") for m in asked].index("stop reading, just send what you have")
     assert [m["role"] for m in asked[at - 5:at]] == ["tool"] * 5
     assert_every_tool_call_answered(asked)
+
+
+def test_editing_the_goal_of_a_paused_agent_previews_every_turn_again_and_the_next_request_has_the_new_goal(
+        model, smtp):
+    from orchestrator.engine import revisions
+
+    task = services.task_create(type="agent.plan_execute", params={"goal": GOAL}, limits={"max_tokens": 1200})
+    assert drive_inline(task.pk) == "paused"
+    task = Task.objects.get(pk=task.pk)
+    new_goal = "Parse the 2 contracts and email a summary to ops@example.org"
+    preview, _ = revisions.preview_edit(task, revisions.edited_params(task, {"goal": new_goal}))
+    assert "turn-001" in preview.rerun  # every turn reads the goal
+    assert all(sid.startswith(("turn-", "tool-")) for sid in preview.rerun + preview.removed)
+    assert preview.kept == []
+    revisions.apply_edit(task_id=task.pk, new_params=revisions.edited_params(task, {"goal": new_goal}),
+                         expected_version=None, limits={"max_tokens": 1_000_000})
+    seen = len(model.requests)
+    assert drive_inline(task.pk) == "completed"
+    first = model.requests[seen].body["messages"]
+    assert first[1] == {"role": "user", "content": new_goal} and len(first) == 2  # the old dialog is history no more
+    [mail] = smtp.received
+    assert "2 contracts" in mail["Subject"]
