@@ -12,36 +12,38 @@ from .models import ReviewItem
 
 @admin.register(ReviewItem)
 class ReviewItemAdmin(TaskRecordAdmin):
-    list_display = ("id", task_link, "step", "tool", "idempotency_key", "status", "decision", "dead_worker",
+    list_display = ("id", task_link, "kind", "step", "tool", "idempotency_key", "status", "decision", "dead_worker",
                     "detected_at", "decided_by", "decided_at")
     list_display_links = ("id",)
-    list_filter = (TaskFilter, "status", "decision", "wal_entry__tool", "detected_at",
+    list_filter = (TaskFilter, "kind", "status", "decision", "wal_entry__tool", "detected_at",
                    ("decided_by", admin.RelatedOnlyFieldListFilter))
     search_fields = ("=task__id", "wal_entry__idempotency_key", "note", "reason", "dead_worker")
     date_hierarchy = "detected_at"
     list_select_related = ("task", "wal_entry", "decided_by")
     fieldsets = (
-        (None, {"fields": ("status", "page", "records", "wal_entry_link")}),
+        (None, {"fields": ("kind", "status", "page", "records", "wal_entry_link", "proposal")}),
         ("In doubt", {"fields": ("reason", "dead_worker", "detected_at", "evidence")}),
         ("Decision", {"fields": ("decision", "note", "decision_result", "decided_by", "decided_at")}),
     )
-    readonly_fields = ("status", "page", "records", "wal_entry_link", "reason", "dead_worker", "detected_at",
+    readonly_fields = ("kind", "proposal", "status", "page", "records", "wal_entry_link", "reason", "dead_worker", "detected_at",
                        "evidence", "decision", "note", "decision_result", "decided_by", "decided_at")
 
     @admin.display(description="step", ordering="wal_entry__step_id")
     def step(self, obj):
-        return obj.wal_entry.step_id
+        return obj.step
 
     @admin.display(description="tool", ordering="wal_entry__tool")
     def tool(self, obj):
-        return obj.wal_entry.tool
+        return obj.tool
 
     @admin.display(description="idempotency key", ordering="wal_entry__idempotency_key")
     def idempotency_key(self, obj):
-        return obj.wal_entry.idempotency_key
+        return obj.wal_entry.idempotency_key if obj.wal_entry_id else "(approval: not run yet)"
 
     @admin.display(description="WAL entry")
     def wal_entry_link(self, obj):
+        if not obj.wal_entry_id:
+            return "—"
         return format_html('<a href="{}">{}</a>', reverse("admin:orchestrator_walentry_change",
                                                           args=[obj.wal_entry_id]), obj.wal_entry)
 

@@ -1,4 +1,6 @@
-"""The review queue: side effects whose outcome is unknown wait here for a human."""
+"""The review queue: what waits for a human decision — a side effect whose outcome is
+unknown (kind `effect`, with its WAL entry), or a tool call an agent wants to make that
+needs approval first (kind `approval`, with the proposed call; no WAL entry exists yet)."""
 from django.conf import settings
 from django.db import models
 
@@ -8,16 +10,35 @@ class ReviewStatus(models.TextChoices):
     DECIDED = "decided"
 
 
+class ReviewKind(models.TextChoices):
+    EFFECT = "effect", "side effect in doubt"
+    APPROVAL = "approval", "tool call to approve"
+
+
 class Decision(models.TextChoices):
     HAPPENED = "happened", "It happened (keep its result, do not repeat)"
     NOT_HAPPENED = "not_happened", "It did not happen (perform it again, same key)"
     SKIP = "skip", "Skip it (continue without it)"
     ABORT_TASK = "abort_task", "Abort the task"
+    APPROVE = "approve", "Approve (the call runs, through the WAL)"
+    EDIT_APPROVE = "edit_approve", "Edit the arguments and approve"
+    REJECT = "reject", "Reject (the note is the tool's result the model reads)"
+
+
+DECISIONS_BY_KIND = {
+    ReviewKind.EFFECT: (Decision.HAPPENED, Decision.NOT_HAPPENED, Decision.SKIP, Decision.ABORT_TASK),
+    ReviewKind.APPROVAL: (Decision.APPROVE, Decision.EDIT_APPROVE, Decision.REJECT),
+}
 
 
 class ReviewItem(models.Model):
     task = models.ForeignKey("orchestrator.Task", on_delete=models.CASCADE, related_name="review_items")
-    wal_entry = models.OneToOneField("orchestrator.WalEntry", on_delete=models.CASCADE, related_name="review_item")
+    kind = models.CharField(max_length=20, choices=ReviewKind.choices, default=ReviewKind.EFFECT)
+    wal_entry = models.OneToOneField("orchestrator.WalEntry", on_delete=models.CASCADE, related_name="review_item",
+                                     null=True, blank=True)
+    # An approval: the step that asked and the call it proposes {"tool", "arguments", "call_id", "context"}.
+    step_id = models.CharField(max_length=200, blank=True)
+    proposal = models.JSONField(null=True, blank=True)
     status = models.CharField(max_length=20, choices=ReviewStatus.choices, default=ReviewStatus.OPEN)
     # Why it is in doubt: which worker died, when, and what recovery saw.
     reason = models.TextField()
@@ -36,4 +57,12 @@ class ReviewItem(models.Model):
         indexes = [models.Index(fields=["status", "detected_at"], name="review_status_detected")]
 
     def __str__(self):
-        return f"review #{self.pk} task {self.task_id} {self.wal_entry.tool} ({self.status})"
+        return f"review #{self.pk} task {self.task_id} {self.tool} ({self.status})"
+
+    @property
+    def tool(self) -> str:
+        return self.wal_entry.tool if self.wal_entry_id else (self.proposal or {}).get("tool", "")
+
+    @property
+    def step(self) -> str:
+        return self.wal_entry.step_id if self.wal_entry_id else self.step_id

@@ -1,4 +1,4 @@
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 
 from .models import ReviewItem, ReviewStatus
 
@@ -10,7 +10,7 @@ def review_list(*, status: str = "open", task_id: int | None = None, tool: str =
     if task_id:
         qs = qs.filter(task_id=task_id)
     if tool:
-        qs = qs.filter(wal_entry__tool=tool)
+        qs = qs.filter(Q(wal_entry__tool=tool) | Q(proposal__tool=tool))
     return qs
 
 

@@ -10,13 +10,13 @@ import logging
 from django.db import transaction
 from django.utils import timezone
 
-from orchestrator.engine import scheduler, states
+from orchestrator.engine import inbox, scheduler, states
 from orchestrator.engine.audit import audit
 from orchestrator.engine.services import FieldError, InvalidInput
 from orchestrator.models import IdempotencyRecord, TaskStatus as S, WalEntry, WalStatus
 from orchestrator.tools.base import get_tool
 
-from .models import Decision, ReviewItem, ReviewStatus
+from .models import DECISIONS_BY_KIND, Decision, ReviewItem, ReviewKind, ReviewStatus
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +61,45 @@ def review_open(*, entry: WalEntry, reason: str, dead_worker: str = "", evidence
     return item
 
 
+def open_for_approval(sender, *, task_id: int, step_id: str, tool: str, arguments: dict, context: str = "",
+                      call_id: str = "", **kwargs) -> ReviewItem:
+    """The receiver of the engine's `approval_requested` signal: one approval item per step
+    (asked again after its decision, the decision stands: the step takes its event)."""
+    existing = ReviewItem.objects.filter(task_id=task_id, kind=ReviewKind.APPROVAL, step_id=step_id).first()
+    if existing is not None:
+        return existing
+    item = ReviewItem.objects.create(
+        task_id=task_id, kind=ReviewKind.APPROVAL, step_id=step_id,
+        proposal={"tool": tool, "arguments": arguments, "call_id": call_id, "context": context[:20_000]},
+        reason=f"{tool} needs approval before it runs")
+    log.info("approval requested", extra={"task_id": task_id, "step_id": step_id})
+    return item
+
+
+def close_taken_approval(sender, *, task_id: int, step_id: str, decision: dict, **kwargs) -> None:
+    """The step took a decision that did not come from the queue (another system sent
+    approval.decided): its item, if still open, is closed with it, so nobody decides twice."""
+    item = ReviewItem.objects.filter(task_id=task_id, kind=ReviewKind.APPROVAL, step_id=step_id,
+                                     status=ReviewStatus.OPEN).first()
+    if item is not None:
+        _close(item, Decision.APPROVE if decision.get("approved") else Decision.REJECT,
+               f"decided outside the review queue: {decision.get('note') or 'no note'}", None, None, timezone.now())
+
+
 def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=None, ip: str | None = None) -> ReviewItem:
+    kind = ReviewItem.objects.filter(pk=item_id).values_list("kind", flat=True).first() or ReviewKind.EFFECT
+    allowed = [d.value for d in DECISIONS_BY_KIND[kind]]
     errors = []
-    if decision not in Decision.values:
-        errors.append(FieldError("decision", f"must be one of {', '.join(Decision.values)}"))
+    if decision not in allowed:
+        errors.append(FieldError("decision", f"must be one of {', '.join(allowed)}"))
     if not (note or "").strip():
         errors.append(FieldError("note", "a note is required: say what you checked"))
+    if decision == Decision.EDIT_APPROVE and not isinstance(result, dict):
+        errors.append(FieldError("result", "edit-and-approve needs the corrected arguments as a JSON object"))
     if errors:
         raise InvalidInput(errors)
+    if kind == ReviewKind.APPROVAL:
+        return _decide_approval(item_id, decision, note, result, actor, ip)
     with transaction.atomic():
         item = ReviewItem.objects.select_related("wal_entry").get(pk=item_id)
         task = states.lock_task(item.task_id)
@@ -108,6 +139,29 @@ def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=
             scheduler.enqueue(task.pk)
     log.info("review decided: %s", decision, extra={"task_id": task.pk, "wal_entry_id": entry.pk,
                                                     "resume_strategy": f"review:{decision}"})
+    return item
+
+
+def _decide_approval(item_id: int, decision: str, note: str, arguments, actor, ip) -> ReviewItem:
+    """Approve, edit-and-approve or reject a proposed tool call: the decision goes into the
+    task as an `approval.decided` event (it wakes the waiting step), audited."""
+    with transaction.atomic():
+        task = states.lock_task(ReviewItem.objects.values_list("task_id", flat=True).get(pk=item_id))
+        item = ReviewItem.objects.select_for_update().get(pk=item_id)
+        if item.status != ReviewStatus.OPEN:
+            raise ReviewClosed(f"Review #{item.pk} was already decided ({item.decision}) by "
+                               f"{item.decided_by or 'someone'}; nothing was changed.")
+        now = timezone.now()
+        _close(item, decision, note, arguments if decision == Decision.EDIT_APPROVE else None, actor, now)
+        payload = {"approved": decision != Decision.REJECT, "approval_id": str(item.pk), "note": note.strip()[:2000]}
+        if decision == Decision.EDIT_APPROVE:
+            payload["arguments"] = arguments
+        inbox.send(task_id=task.pk, type="approval.decided", payload=payload, source="system", actor=actor, ip=ip,
+                   source_event_id=f"review-{item.pk}")
+        audit(action="review.approval", actor=actor, ip=ip, task=task, reason=note,
+              before={"proposal": item.proposal}, after={"review": item.pk, "decision": decision,
+                                                         "arguments": arguments})
+    log.info("approval decided: %s", decision, extra={"task_id": task.pk, "step_id": item.step_id})
     return item
 
 

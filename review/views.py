@@ -20,7 +20,7 @@ from orchestrator.models import Step
 from orchestrator.web.access import client_ip, viewer_required
 
 from . import selectors, services
-from .models import Decision, ReviewItem, ReviewStatus
+from .models import DECISIONS_BY_KIND, Decision, ReviewItem, ReviewStatus
 
 QUEUE_ROWS_SHOWN = 500
 OTHER_ITEMS_SHOWN = 100
@@ -53,8 +53,9 @@ def review_list(request):
     qs = selectors.review_list(status=status, task_id=task_id, tool=tool)
     total = qs.count()
     items = list(qs[:QUEUE_ROWS_SHOWN])
-    tools = sorted(set(ReviewItem.objects.values_list("wal_entry__tool", flat=True).distinct()) |
-                   ({tool} if tool else set()))
+    tools = sorted((set(ReviewItem.objects.values_list("wal_entry__tool", flat=True).distinct())
+                    | set(ReviewItem.objects.values_list("proposal__tool", flat=True).distinct())
+                    | ({tool} if tool else set())) - {None})
     filters = {k: v for k, v in (("status", status if status != "open" else ""), ("tool", tool),
                                  ("task", str(task_id) if task_id else "")) if v}
     return render(request, "review/review_list.html", {
@@ -93,14 +94,16 @@ def _detail_context(request, item: ReviewItem, form: dict) -> dict:
     evidence_rest = {k: v for k, v in evidence.items() if k != "how_to_check"} if evidence else None
     others = list(ReviewItem.objects.filter(task_id=item.task_id).exclude(pk=item.pk)
                   .select_related("wal_entry", "decided_by").order_by("detected_at", "id")[:OTHER_ITEMS_SHOWN])
+    proposal = item.proposal or {}
     return {
         "item": item,
         "task": item.task,
         "entry": entry,
-        "step": Step.objects.filter(task_id=item.task_id, step_id=entry.step_id).only(
+        "proposal": proposal,
+        "step": Step.objects.filter(task_id=item.task_id, step_id=item.step).only(
             "step_id", "title", "status").first(),
-        "args_json": _json(entry.args),
-        "wal_result_json": _json(entry.result) if entry.result is not None else "",
+        "args_json": _json(entry.args if entry else proposal.get("arguments")),
+        "wal_result_json": _json(entry.result) if entry and entry.result is not None else "",
         "how_to_check": how_to_check,
         "evidence": evidence_rest if evidence is not None else item.evidence,
         "evidence_json": _json(evidence_rest if evidence is not None else item.evidence),
@@ -109,7 +112,7 @@ def _detail_context(request, item: ReviewItem, form: dict) -> dict:
         "others": others,
         "is_open": item.status == ReviewStatus.OPEN,
         "can_decide": item.status == ReviewStatus.OPEN and roles.has_role(request.user, roles.REVIEWER),
-        "decisions": Decision.choices,
+        "decisions": [(d.value, d.label) for d in DECISIONS_BY_KIND[item.kind]],
         "form": form,
     }
 
@@ -122,7 +125,7 @@ def _read_form(data) -> tuple[dict, dict]:
     values["note"] = data.get("note", "")
     values["result"] = data.get("result", "")
     result = None
-    if values["decision"] == Decision.HAPPENED and values["result"].strip():
+    if values["decision"] in (Decision.HAPPENED, Decision.EDIT_APPROVE) and values["result"].strip():
         try:
             result = json.loads(values["result"])
         except ValueError as exc:

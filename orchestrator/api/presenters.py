@@ -47,9 +47,12 @@ def audit_out(a) -> AuditOut:
 
 def review_out(item) -> ReviewOut:
     entry = item.wal_entry
+    proposal = item.proposal or {}
     return ReviewOut(
-        id=item.pk, task_id=item.task_id, task_type=item.task.type, task_status=item.task.status, status=item.status,
-        reason=item.reason, dead_worker=item.dead_worker, detected_at=item.detected_at, step_id=entry.step_id,
-        tool=entry.tool, args=entry.args, idempotency_key=entry.idempotency_key, intent_written_at=entry.created_at,
-        wal_status=entry.status, evidence=item.evidence, decision=item.decision, decision_result=item.decision_result,
+        id=item.pk, kind=item.kind, task_id=item.task_id, task_type=item.task.type, task_status=item.task.status,
+        status=item.status, reason=item.reason, dead_worker=item.dead_worker, detected_at=item.detected_at,
+        step_id=item.step, tool=item.tool, args=entry.args if entry else proposal.get("arguments"),
+        idempotency_key=entry.idempotency_key if entry else "",
+        intent_written_at=entry.created_at if entry else None, wal_status=entry.status if entry else "",
+        proposal=item.proposal, evidence=item.evidence, decision=item.decision, decision_result=item.decision_result,
         note=item.note, decided_by=item.decided_by.username if item.decided_by else None, decided_at=item.decided_at)

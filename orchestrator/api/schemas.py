@@ -214,6 +214,8 @@ class RollbackIn(Schema):
 
 class ReviewOut(Schema):
     id: int
+    kind: str = Field(..., description="effect (a side effect in doubt, with its WAL entry) or approval (a tool "
+                                       "call waiting to be approved: `proposal`)")
     task_id: int
     task_type: str
     task_status: str
@@ -225,8 +227,9 @@ class ReviewOut(Schema):
     tool: str
     args: Any
     idempotency_key: str
-    intent_written_at: datetime
+    intent_written_at: datetime | None
     wal_status: str
+    proposal: Any = Field(None, description="approval: {tool, arguments, call_id, context}")
     evidence: Any
     decision: str
     decision_result: Any

@@ -16,7 +16,7 @@ from .. import telemetry
 from ..tools.http import http_call
 from ..tools.llm import stream_completion
 from ..tools.shell import run_in_group
-from . import inbox, wal
+from . import approvals, inbox, wal
 from ..primitives.cancellation import CancellationToken
 from .lease import Lease
 from .events import append_event
@@ -125,6 +125,17 @@ class StepContext:
         if until is not None and timezone.now() >= until:
             raise WaitTimedOut(f"no {event_type} event came before {until.isoformat()}")
         raise WaitForEvent(event_type, until)
+
+    def request_approval(self, tool: str, arguments: dict, *, context: str = "", call_id: str = "") -> dict:
+        """Have a reviewer approve `tool(arguments)` before it runs: opens an approval item in
+        the review queue (once) and waits for the decision — the task waits holding no worker
+        (like wait_for). Returns the decision: {"approved", "note", "arguments"?, "approval_id"}
+        (`arguments`: the reviewer's corrected ones, for edit-and-approve)."""
+        approvals.request(task_id=self.task_id, step_id=self.step_id, tool=tool, arguments=arguments,
+                          context=context, call_id=call_id)
+        decision = self.wait_for("approval.decided")
+        approvals.taken(task_id=self.task_id, step_id=self.step_id, decision=decision)
+        return decision
 
     def add_steps(self, *specs) -> None:
         """Grow the plan: `specs` (StepSpec) join the task when this step commits. They may

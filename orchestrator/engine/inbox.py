@@ -75,6 +75,7 @@ class ApprovalDecided(BaseModel):
     approved: bool
     approval_id: str = ""
     note: str = Field("", max_length=2000)
+    arguments: dict | None = Field(None, description="edit-and-approve: the corrected arguments the call runs with")
 
 
 class UpstreamReady(BaseModel):

@@ -49,7 +49,7 @@ class AgentParams(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     max_tokens_per_call: int = Field(2000, ge=16, le=100_000, description="Completion tokens per call at most")
     require_approval: list[str] = Field(default_factory=list,
-                                        description="Tools whose calls wait for an approval.decided event first")
+                                        description="Tools whose calls wait for a reviewer's approval first")
 
     @field_validator("tools", "require_approval")
     @classmethod
@@ -197,10 +197,14 @@ class PlanExecuteAgent(TaskType):
         started = WalEntry.objects.filter(task_id=ctx.task_id, step_id=ctx.step_id).exists()
         if not started and history.superseded(ctx.task_id, turn):
             ok, result = False, "skipped: superseded by a new user message"
-        elif call["name"] in ctx.params.require_approval and not started:
-            decision = ctx.wait_for("approval.decided")  # the task waits without a worker
+        elif call["name"] in ctx.params.require_approval and _as_object(call["arguments"]) is not None:
+            # A reviewer decides in the review queue; the task waits holding no worker. (After a
+            # crash the step asks again: the same item, and its decision event is still pending.)
+            decision = ctx.request_approval(call["name"], _as_object(call["arguments"]), call_id=call["id"],
+                                            context=ctx.deps[turn_id(turn)].get("content") or "")
             if decision.get("approved"):
-                ok, result = toolbox.call(ctx, call["name"], call["arguments"], ctx.params.tools)
+                arguments = json.dumps(decision["arguments"]) if decision.get("arguments") else call["arguments"]
+                ok, result = toolbox.call(ctx, call["name"], arguments, ctx.params.tools)
             else:
                 ok, result = False, f"rejected by the reviewer: {decision.get('note') or 'no reason given'}"
         else:
@@ -210,6 +214,14 @@ class PlanExecuteAgent(TaskType):
             "turn": turn, "order": index, "role": AgentMessage.Role.TOOL, "content": text,
             "tool_call_id": call["id"], "name": call["name"], "step_id": ctx.step_id, "generation": ctx.generation})
         return {"tool_call_id": call["id"], "name": call["name"], "ok": ok, "result": result}
+
+
+def _as_object(arguments: str) -> dict | None:
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class _PageStream:

@@ -217,3 +217,39 @@ def test_editing_the_goal_of_a_paused_agent_previews_every_turn_again_and_the_ne
     assert first[1] == {"role": "user", "content": new_goal} and len(first) == 2  # the old dialog is history no more
     [mail] = smtp.received
     assert "2 contracts" in mail["Subject"]
+
+
+def test_a_reviewer_edits_and_approves_the_email_in_the_review_queue_and_the_call_runs_with_the_correction(
+        model, smtp, make_user):
+    from review.models import ReviewItem
+    from review.services import review_decide
+
+    task = agent(require_approval=["email_send"])
+    assert drive_inline(task.pk) == "waiting"
+    [item] = ReviewItem.objects.filter(task=task)
+    assert item.kind == "approval" and item.wal_entry is None and item.tool == "email_send"
+    assert item.proposal["arguments"]["to"] == ["ops@example.org"] and item.proposal["call_id"]
+    corrected = {**item.proposal["arguments"], "to": ["finance@example.org"]}
+    review_decide(item_id=item.pk, decision="edit_approve", note="finance reads these", result=corrected,
+                  actor=make_user("rita", "reviewer"))
+    assert Task.objects.get(pk=task.pk).status == "queued"  # the decision woke it
+    assert drive_inline(task.pk) == "completed"
+    [mail] = smtp.received
+    assert mail["To"] == "finance@example.org"
+    item.refresh_from_db()
+    assert (item.status, item.decision, item.decided_by.username) == ("decided", "edit_approve", "rita")
+    [entry] = WalEntry.objects.filter(task=task, tool="email.send")
+    assert entry.args["to"] == ["finance@example.org"] and entry.status == "done"
+
+
+def test_a_decision_sent_by_another_system_closes_the_open_approval_item(model, smtp):
+    from review.models import ReviewItem
+
+    task = agent(require_approval=["email_send"])
+    assert drive_inline(task.pk) == "waiting"
+    inbox.send(task_id=task.pk, type="approval.decided", payload={"approved": False, "note": "not today"},
+               source="system")
+    assert drive_inline(task.pk) == "completed"
+    item = ReviewItem.objects.get(task=task)
+    assert (item.status, item.decision) == ("decided", "reject")
+    assert item.note == "decided outside the review queue: not today"

@@ -9,7 +9,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils.html import escape
 
 from orchestrator.models import AuditEntry, IdempotencyRecord, Task, WalEntry
-from review.models import Decision, ReviewItem
+from review.models import DECISIONS_BY_KIND, Decision, ReviewItem, ReviewKind
 
 from .conftest import logged_in, make_review
 
@@ -94,7 +94,7 @@ def test_the_item_page_shows_what_a_reviewer_needs(reviewer, review_item):
     assert f'href="/review/{sibling.pk}/"' in page  # the task's other items
     # The decision form: CSRF, the four decisions with their labels, a note, a result.
     assert 'data-testid="decision-form"' in page and "csrfmiddlewaretoken" in page
-    for value, label in Decision.choices:
+    for value, label in [(d.value, d.label) for d in DECISIONS_BY_KIND[ReviewKind.EFFECT]]:
         assert f'value="{value}"' in page and label in page
     assert 'name="note"' in page and 'name="result"' in page
 
@@ -277,3 +277,29 @@ def test_the_task_page_links_to_its_reviews_and_the_export(viewer, review_item):
     export = client.get(f"/api/tasks/{review_item.task_id}/export")
     assert export.status_code == 200
     assert json.loads(export.content)["reviews"][0]["id"] == review_item.pk
+
+
+def test_an_approval_item_shows_the_proposed_call_and_a_rejection_goes_into_the_task(reviewer):
+    from orchestrator.engine import services as engine_services
+    from orchestrator.models import InboundEvent
+    from review.services import open_for_approval
+
+    task = engine_services.task_create(type="agent.plan_execute", params={"goal": "email ops"})
+    item = open_for_approval(None, task_id=task.pk, step_id="tool-002-1", tool="email_send",
+                             arguments={"to": ["ops@example.org"], "subject": "s", "body": "b"},
+                             context="I will email the summary now.", call_id="call_7")
+    client = logged_in(reviewer)
+    listed = client.get(QUEUE).content.decode()
+    assert 'data-testid="kind-approval"' in listed and "email_send" in listed
+    page = client.get(item_url(item)).content.decode()
+    assert 'data-testid="review-proposal"' in page and "I will email the summary now." in page
+    assert all(f'value="{d}"' in page for d in ("approve", "edit_approve", "reject"))
+    assert 'value="happened"' not in page
+    response = client.post(item_url(item), {"decision": "reject", "note": "wrong recipient"})
+    assert response.status_code == 302
+    item.refresh_from_db()
+    assert (item.status, item.decision) == ("decided", "reject")
+    event = InboundEvent.objects.get(task=task, type="approval.decided")
+    assert event.payload == {"approved": False, "approval_id": str(item.pk), "note": "wrong recipient",
+                             "arguments": None}
+    assert AuditEntry.objects.filter(action="review.approval", task=task).exists()
