@@ -1,0 +1,132 @@
+"""Hosts that die: three worker "hosts" (separate `qcluster` processes, each with its own
+executors) on one PostgreSQL, many tasks in flight, and `kill -9` of a whole host's process
+group, several times. For each kill: how long until every task the host held runs again
+elsewhere (a new lease epoch, a live executor on another host), p50/p95 over all of them;
+and, at the end, whether any step ran twice (fencing: two hosts never commit the same task).
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/bench_hosts .venv/bin/python bench/hosts.py
+    BENCH_TASKS=1000 BENCH_KILLS=5 ORCH_STALE_AFTER_SECONDS=2 ...   (defaults: 1000, 5, 2)
+
+The heartbeat is 1 s. A host's death is noticed by the sweeper when its tasks' heartbeats
+are older than ORCH_STALE_AFTER_SECONDS, so that bounds the figure from below.
+Prints figures; asserts nothing.
+"""
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.pop("REDIS_URL", None)
+os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/bench_hosts")
+TASKS = int(os.environ.get("BENCH_TASKS", "1000"))
+KILLS = int(os.environ.get("BENCH_KILLS", "5"))
+STALE = os.environ.get("ORCH_STALE_AFTER_SECONDS", "2")
+
+from bench.measure import PgServer  # noqa: E402
+
+PgServer(os.environ["DATABASE_URL"]).ensure_database(PgServer(os.environ["DATABASE_URL"]).database)
+from bench._django import setup  # noqa: E402
+
+setup("hosts-bench", ORCH_HEARTBEAT_SECONDS="1", ORCH_STALE_AFTER_SECONDS=STALE, ORCH_MAX_RECOVERY_ATTEMPTS="1000",
+      ORCH_REQUEUE_AFTER_SECONDS="5")
+
+from django.db.models import Count  # noqa: E402
+
+from orchestrator.engine import processes, services  # noqa: E402
+from orchestrator.engine.states import TERMINAL  # noqa: E402
+from orchestrator.models import Task, TaskEvent  # noqa: E402
+
+
+def spawn(*args, workers: int = 2) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "manage.py"), *args], cwd=ROOT,
+                            env={**os.environ, "ORCH_WORKERS": str(workers)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def host_of(pid: int, hosts: list[subprocess.Popen]) -> subprocess.Popen | None:
+    while pid and pid > 1:
+        for host in hosts:
+            if pid == host.pid:
+                return host
+        stat = processes._stat(pid)
+        if stat is None:
+            return None
+        pid = stat[0]
+    return None
+
+
+def held_by(host: subprocess.Popen, hosts) -> dict[int, int]:
+    """The running tasks whose executor belongs to `host`: {task id: lease epoch}."""
+    rows = Task.objects.filter(status="running").exclude(lease_owner="").exclude(worker_pid=None)
+    return {t.pk: t.lease_epoch for t in rows.only("pk", "lease_epoch", "worker_pid")
+            if host_of(t.worker_pid, hosts) is host}
+
+
+def pct(values, q):
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+
+
+def main():
+    for task_id in Task.objects.exclude(status__in=TERMINAL).values_list("pk", flat=True):
+        services.task_terminate(task_id=task_id, reason="bench: left over")
+    hosts = [spawn("qcluster") for _ in range(3)]
+    sweeper = spawn("recover", "--loop", "--interval", "0.25")
+    # Tasks long enough to be running when a host dies: 100 steps of 50 ms each (bench.listener;
+    # no subprocess, so the host's process group is everything it ran).
+    ids = [services.task_create(type="bench.listener", params={"steps": 100, "sleep_ms": 50}).pk
+           for _ in range(TASKS)]
+    recoveries: list[float] = []
+    try:
+        for kill in range(KILLS):
+            deadline = time.monotonic() + 60
+            victim, held = None, {}
+            while time.monotonic() < deadline and not held:
+                victim = hosts[kill % len(hosts)]
+                held = held_by(victim, hosts)
+                time.sleep(0.05)
+            if not held:
+                print(f"  kill {kill + 1}: the host held no running task; skipped")
+                continue
+            killed_at = time.monotonic()
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait()
+            others = [h for h in hosts if h is not victim]
+            pending = dict(held)
+            while pending and time.monotonic() - killed_at < 120:
+                for task_id, epoch in list(pending.items()):
+                    t = Task.objects.filter(pk=task_id).only("status", "lease_epoch", "worker_pid", "lease_owner").first()
+                    if t.status in TERMINAL or (t.lease_epoch > epoch and t.lease_owner and t.worker_pid
+                                                and processes.alive(t.worker_pid)
+                                                and host_of(t.worker_pid, others) is not None):
+                        recoveries.append(time.monotonic() - killed_at)
+                        del pending[task_id]
+                time.sleep(0.02)
+            print(f"  kill {kill + 1}: host held {len(held)} running task(s); {len(held) - len(pending)} running "
+                  f"again elsewhere, the last after {max(recoveries[-(len(held) - len(pending)):] or [0]):.2f} s")
+            hosts = others + [spawn("qcluster")]  # the host comes back
+        done = Task.objects.filter(pk__in=ids, status="completed").count()
+        doubled = (TaskEvent.objects.filter(task_id__in=ids, kind="step_done")
+                   .values("task_id", "payload__step").annotate(n=Count("id")).filter(n__gt=1).count())
+        print(f"\nPostgreSQL, 3 hosts x 2 workers, {TASKS} tasks queued or running, heartbeat 1 s, "
+              f"stale after {STALE} s, {KILLS} host kills")
+        if recoveries:
+            print(f"  whole host kill -9 -> each task it held running elsewhere: n {len(recoveries)}, "
+                  f"p50 {pct(recoveries, 50):.2f} s, p95 {pct(recoveries, 95):.2f} s (target p95 <= 3 s)")
+        print(f"  steps committed twice (fencing): {doubled}; tasks completed so far: {done}/{TASKS}")
+    finally:
+        for task_id in Task.objects.filter(pk__in=ids).exclude(status__in=TERMINAL).values_list("pk", flat=True):
+            services.task_terminate(task_id=task_id, reason="bench over")
+        for proc in [*hosts, sweeper]:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+if __name__ == "__main__":
+    main()
