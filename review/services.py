@@ -103,7 +103,7 @@ def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=
     with transaction.atomic():
         item = ReviewItem.objects.select_related("wal_entry").get(pk=item_id)
         task = states.lock_task(item.task_id)
-        item = ReviewItem.objects.select_for_update().select_related("wal_entry").get(pk=item_id)
+        item = ReviewItem.objects.select_for_update(of=("self",)).select_related("wal_entry").get(pk=item_id)
         if item.status != ReviewStatus.OPEN:
             raise ReviewClosed(f"Review #{item.pk} was already decided ({item.decision}) by "
                                f"{item.decided_by or 'someone'}; nothing was changed.")
