@@ -296,11 +296,17 @@ class Runner:
         # Results are loaded when a dependant needs them (a long plan's results are not all
         # held in memory); those of the latest steps stay cached for their dependants.
         self.results = results.ResultCache(task.pk)
-        self.skipped = dict(Step.objects.filter(task_id=task.pk, status=StepStatus.SKIPPED)
-                            .values_list("step_id", "error"))
-        if task.recovering_since is not None:
-            # Its state loaded and its lease held: the recovery got the task going again.
-            self.lease.fenced().update(recovering_since=None)
+
+        def load_the_rest():
+            self.skipped = dict(Step.objects.filter(task_id=task.pk, status=StepStatus.SKIPPED)
+                                .values_list("step_id", "error"))
+            if task.recovering_since is not None:
+                # Its state loaded and its lease held: the recovery got the task going again.
+                self.lease.fenced().update(recovering_since=None)
+
+        # Like the plan: the database going away now is waited out, not a crash.
+        retry_while_down(load_the_rest, seconds=harness.database_retry_seconds, logger=log,
+                         what="loading the run's state", extra={"task_id": task.pk})
         supervisor = Supervisor(self)
         supervisor.start()
         pool = ThreadPoolExecutor(max_workers=max(1, int(self.limits["max_subtasks"])),
@@ -348,7 +354,9 @@ class Runner:
     def consume_inbox(self) -> None:
         """Apply the pending inbox events (P1 and below) as one checkpoint (checkpoint.commit_events)."""
         signal, now = self.inbox_signal, timezone.now()
-        events = inbox.due(self.lease.task_id, now, self.awaited)
+        events = retry_while_down(lambda: inbox.due(self.lease.task_id, now, self.awaited),
+                                  seconds=harness.database_retry_seconds, logger=log, what="reading the inbox",
+                                  extra={"task_id": self.lease.task_id})
         consumed, accepted, stack = [], [], None
         for event in events:
             frame = None
@@ -375,6 +383,11 @@ class Runner:
             except LeaseLost:
                 self.lose_lease()
                 return
+            except DATABASE_DOWN:
+                # Whether the consumption landed is unknown (its reply may be what was lost):
+                # the next run reads it from the database instead of guessing.
+                self.diverge("the database went away while events were consumed", [])
+                return
             log.info("inbox: %d event(s) consumed", len(consumed), extra={"task_id": self.lease.task_id})
         for step_id, failure in self.unit_failures_pending:
             self.step_failed(step_id, failure, None)
@@ -384,8 +397,9 @@ class Runner:
         elif self.preempting:
             self.preempting, self.interrupted = False, []
         self.inbox_consumed_at = signal
-        self.inbox_next_at = None if len(events) == inbox.CONSUMED_PER_RESUME_POINT else inbox.next_visible(
-            self.lease.task_id, self.awaited)
+        self.inbox_next_at = None if len(events) == inbox.CONSUMED_PER_RESUME_POINT else retry_while_down(
+            lambda: inbox.next_visible(self.lease.task_id, self.awaited), seconds=harness.database_retry_seconds,
+            logger=log, what="reading the inbox", extra={"task_id": self.lease.task_id})
         if len(events) == inbox.CONSUMED_PER_RESUME_POINT:
             self.inbox_consumed_at = -1  # more are waiting: the next resume point takes them
 
@@ -394,6 +408,8 @@ class Runner:
             preemption.pop(self.lease, self.plan)
         except LeaseLost:
             self.lose_lease()
+        except DATABASE_DOWN:
+            self.diverge("the database went away while a frame was popped", [])
 
     def recorded_wait(self, step_id: str, event_type: str) -> datetime | None:
         """The deadline of `step_id`'s wait for `event_type`, if an earlier run recorded one."""
