@@ -304,11 +304,16 @@ class Runner:
                 # Its state loaded and its lease held: the recovery got the task going again.
                 self.lease.fenced().update(recovering_since=None)
 
-        # Like the plan: the database going away now is waited out, not a crash.
-        retry_while_down(load_the_rest, seconds=harness.database_retry_seconds, logger=log,
-                         what="loading the run's state", extra={"task_id": task.pk})
+        # The lease is held from here on: heartbeat it (and relay requests) while the rest loads.
         supervisor = Supervisor(self)
         supervisor.start()
+        try:
+            # Like the plan: the database going away now is waited out, not a crash.
+            retry_while_down(load_the_rest, seconds=harness.database_retry_seconds, logger=log,
+                             what="loading the run's state", extra={"task_id": task.pk})
+        except BaseException:
+            supervisor.stop()
+            raise
         pool = ThreadPoolExecutor(max_workers=max(1, int(self.limits["max_subtasks"])),
                                   thread_name_prefix=f"task-{task.pk}-step")
         in_flight: dict[Future, InFlight] = {}
