@@ -20,18 +20,21 @@ def done_order(task_id: int) -> list[str]:
 
 
 @pytest.fixture
-def preempt_after(monkeypatch):
-    """Send a preempt from inside the run, just after `step_id` has done its work."""
+def preempt_during(monkeypatch):
+    """Send a preempt from inside the run while `step_id` runs: once the runner's supervisor
+    has seen it (the step's token is then cancelled), the step goes on and is interrupted."""
+    from tests.conftest import wait_for
+
     contracts = type(get_type("demo.contracts"))
     real = contracts.run_step
     sent = []
 
     def arm(step_id: str, payload: dict):
         def run_step(self, ctx, current):
-            result = real(self, ctx, current)
             if current == step_id and not sent:
                 sent.append(inbox.send(task_id=ctx.task_id, type="preempt", payload=payload, source="operator"))
-            return result
+                wait_for(lambda: ctx._runner.preempting, timeout=10, message="the preempt seen")
+            return real(self, ctx, current)
 
         monkeypatch.setattr(contracts, "run_step", run_step)
         return sent
@@ -39,10 +42,10 @@ def preempt_after(monkeypatch):
     return arm
 
 
-def test_the_batch_preempted_after_8_reparses_5_first_then_continues_and_the_summary_uses_it(preempt_after,
+def test_the_batch_preempted_after_8_reparses_5_first_then_continues_and_the_summary_uses_it(preempt_during,
                                                                                             settings):
     settings.ORCH_SNAPSHOT_KEEP = 100  # every version of the run stays readable
-    sent = preempt_after("contract-08", REPARSE_5)
+    sent = preempt_during("contract-09", REPARSE_5)  # 8 done, the 9th running
     task = services.task_create(type="demo.contracts", params={"count": 20, "pace_seconds": 0.2},
                                 limits={"max_subtasks": 1})
     assert drive_inline(task.pk) == "completed"
