@@ -673,6 +673,8 @@ class Soak:
                     continue
                 else:
                     self.notes[f"{current} skipped: nothing to act on for 4 s"] += 1
+                    if not self.faults.get(current):
+                        first_round.append(current)  # every kind at least once: try it again later
                 current = None
                 remaining = max(1, target - self.total_faults() - len(scheduled) - self.smtp.pending())
                 left = max(0.3, duration - elapsed)
