@@ -15,6 +15,8 @@ from django.utils.http import urlencode
 
 from review.models import ReviewItem
 
+from . import selectors
+from .admin_tables import LargeTableAdmin, RecentValuesFilter
 from .engine import webhooks
 from .engine.audit import audit
 from .models import (
@@ -161,14 +163,18 @@ class StepInline(admin.TabularInline):
 
 
 @admin.register(Task)
-class TaskAdmin(GuardedChangelistAdmin):
+class TaskAdmin(LargeTableAdmin, GuardedChangelistAdmin):
     list_display = ("id", "type", "title", "status", "progress", "recovery_attempts", "worker", "created_by",
                     "created_at", "updated_at")
     list_display_links = ("id", "type")
-    list_filter = ("status", "type", "control", "created_at", "finished_at",
-                   ("created_by", admin.RelatedOnlyFieldListFilter))
-    search_fields = ("=id", "title", "type", "status_reason", "error", "created_by__username")
-    date_hierarchy = "created_at"
+    list_filter = ("status", ("type", RecentValuesFilter), ("control", RecentValuesFilter), "created_at",
+                   "finished_at", "created_by")
+    search_fields = ("title", "type", "id")  # what the task list searches (selectors.task_text_query)
+    search_help_text = "Words of the title, the type, or the task id (as on the task list)."
+
+    def get_search_results(self, request, queryset, search_term):
+        term = search_term.strip().replace("\x00", "")
+        return (queryset.filter(selectors.task_text_query(term)) if term else queryset), False
     list_select_related = ("created_by",)
     inlines = [StepInline]
     fieldsets = (
@@ -216,12 +222,11 @@ class TaskAdmin(GuardedChangelistAdmin):
 
 
 @admin.register(Step)
-class StepAdmin(TaskRecordAdmin):
+class StepAdmin(LargeTableAdmin, TaskRecordAdmin):
     list_display = ("id", task_link, "position", "step_id", "title", "status", "attempts", "started_at",
                     "finished_at", "duration")
     list_filter = (TaskFilter, "status", "started_at", "finished_at")
-    search_fields = ("=task__id", "step_id", "title", "error")
-    date_hierarchy = "started_at"
+    search_fields = ("task",)
     list_select_related = ("task",)
     readonly_fields = ("records", "wal")
 
@@ -238,12 +243,13 @@ class StepAdmin(TaskRecordAdmin):
 
 
 @admin.register(WalEntry)
-class WalEntryAdmin(AppendOnlyAdmin):
+class WalEntryAdmin(LargeTableAdmin, AppendOnlyAdmin):
     list_display = ("id", task_link, "step_id", "call_index", "tool", "idempotency_key", "idempotent", "status",
                     "worker", "created_at", "completed_at")
-    list_filter = (TaskFilter, "status", "idempotent", "tool", "created_at")
-    search_fields = ("=task__id", "idempotency_key", "step_id", "tool", "error")
-    date_hierarchy = "created_at"
+    list_filter = (TaskFilter, "status", "idempotent", ("tool", RecentValuesFilter), "created_at")
+    search_fields = ("task", "idempotency_key")
+    search_lookups = (("task_id", int), ("idempotency_key__startswith", str))
+    search_help_text = "A task id, or the start of an idempotency key (t<task>:<step>:<n>)."
     list_select_related = ("task",)
     readonly_fields = ("records", "step_link", "idempotency_record")
 
@@ -263,11 +269,10 @@ class WalEntryAdmin(AppendOnlyAdmin):
 
 
 @admin.register(Snapshot)
-class SnapshotAdmin(TaskRecordAdmin):
+class SnapshotAdmin(LargeTableAdmin, TaskRecordAdmin):
     list_display = ("id", task_link, "version", "full", "step_id", "created_at")
     list_filter = (TaskFilter, "full", "created_at")
-    search_fields = ("=task__id", "step_id")
-    date_hierarchy = "created_at"
+    search_fields = ("task",)
     list_select_related = ("task",)
 
 
@@ -311,14 +316,13 @@ class WebhookSourceAdmin(GuardedChangelistAdmin):
 
 
 @admin.register(InboundEvent)
-class InboundEventAdmin(TaskRecordAdmin):
+class InboundEventAdmin(LargeTableAdmin, TaskRecordAdmin):
     """Events sent into tasks (their inboxes), with what each task did with them."""
 
     list_display = ("id", task_link, "seq", "type", "priority", "source", "actor_name", "state", "outcome",
                     "created_at", "consumed_at")
-    list_filter = (TaskFilter, "state", "priority", "type", "created_at")
-    search_fields = ("=task__id", "type", "source", "source_event_id", "actor_name")
-    date_hierarchy = "created_at"
+    list_filter = (TaskFilter, "state", ("priority", RecentValuesFilter), ("type", RecentValuesFilter), "created_at")
+    search_fields = ("task",)
     list_select_related = ("task",)
 
 
@@ -333,14 +337,13 @@ class RetentionRunAdmin(ReadOnlyAdmin):
 
 
 @admin.register(AgentMessage)
-class AgentMessageAdmin(TaskRecordAdmin):
+class AgentMessageAdmin(LargeTableAdmin, TaskRecordAdmin):
     """Agents' dialogs, message by message, as the model saw them (read-only)."""
 
     list_display = ("id", task_link, "turn", "order", "role", "name", "interrupted", "prompt_tokens",
                     "completion_tokens", "created_at")
     list_filter = (TaskFilter, "role", "interrupted", "created_at")
-    search_fields = ("=task__id", "tool_call_id", "name")
-    date_hierarchy = "created_at"
+    search_fields = ("task",)
     list_select_related = ("task",)
 
 
@@ -357,22 +360,20 @@ class AgentMemoryAdmin(ReadOnlyAdmin):
 
 
 @admin.register(StepResult)
-class StepResultAdmin(TaskRecordAdmin):
+class StepResultAdmin(LargeTableAdmin, TaskRecordAdmin):
     """Large step results, stored apart from their Step rows (read-only like every task record)."""
 
     list_display = ("id", task_link, "step_id", "created_at")
     list_filter = (TaskFilter, "created_at")
-    search_fields = ("=task__id", "step_id")
-    date_hierarchy = "created_at"
+    search_fields = ("task",)
     list_select_related = ("task",)
 
 
 @admin.register(TaskEvent)
-class TaskEventAdmin(AppendOnlyAdmin):
+class TaskEventAdmin(LargeTableAdmin, AppendOnlyAdmin):
     list_display = ("id", task_link, "seq", "kind", "short_payload", "created_at")
-    list_filter = (TaskFilter, "kind", "created_at")
-    search_fields = ("=task__id", "kind")
-    date_hierarchy = "created_at"
+    list_filter = (TaskFilter, ("kind", RecentValuesFilter), "created_at")
+    search_fields = ("task",)
     list_select_related = ("task",)
 
     @admin.display(description="payload")
@@ -382,11 +383,12 @@ class TaskEventAdmin(AppendOnlyAdmin):
 
 
 @admin.register(IdempotencyRecord)
-class IdempotencyRecordAdmin(ReadOnlyAdmin):
+class IdempotencyRecordAdmin(LargeTableAdmin, ReadOnlyAdmin):
     list_display = ("key", "tool", "created_at")
-    list_filter = ("tool", "created_at")
-    search_fields = ("key", "tool")
-    date_hierarchy = "created_at"
+    list_filter = (("tool", RecentValuesFilter), "created_at")
+    search_fields = ("key",)
+    search_lookups = (("key__startswith", str),)
+    search_help_text = "The start of an idempotency key (t<task>:<step>:<n>)."
     readonly_fields = ("wal_entry",)
 
     @admin.display(description="WAL entry")
@@ -399,11 +401,20 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
 
 
 @admin.register(AuditEntry)
-class AuditEntryAdmin(AppendOnlyAdmin):
+class AuditEntryAdmin(LargeTableAdmin, AppendOnlyAdmin):
     list_display = ("at", "actor_name", "action", task_link, "ip", "reason")
-    list_filter = (TaskFilter, "action", "at", ("actor", admin.RelatedOnlyFieldListFilter))
-    search_fields = ("=task__id", "actor_name", "action", "reason", "ip")
-    date_hierarchy = "at"
+    list_filter = (TaskFilter, ("action", RecentValuesFilter), "at", "actor")
+    search_fields = ("actor_name", "action", "reason", "ip")
+    search_help_text = "Words of the actor, the action, the reason or the IP address; or a task id."
+
+    def get_search_results(self, request, queryset, search_term):
+        # The audit log is searched by its words (a scan, bounded by the page's LIMIT when
+        # matches are common), and a number is also a task id (its index).
+        found, _ = admin.ModelAdmin.get_search_results(self, request, queryset, search_term)
+        number = search_term.strip().lstrip("#")
+        if number.isdigit() and int(number) < 2**63:
+            found = found | queryset.filter(task_id=int(number))
+        return found, False
     list_select_related = ("task",)
 
 
