@@ -102,3 +102,41 @@ def test_the_sweeper_runs_the_rules_on_its_schedule(start_sweeper):
     wait_for(lambda: Task.objects.get(pk=task.pk).wal_pruned_at is not None, timeout=30, message="the WAL pruned")
     assert RetentionRun.objects.filter(tasks__gte=1).exists()
     assert WalEntry.objects.filter(task=task).count() == 0 and keys_of(task) == 0
+
+
+def test_after_pruning_a_late_replay_is_refused_before_any_effect_and_a_late_event_gets_a_clear_409(settings):
+    """What could still ask for a pruned task's WAL rows and keys: a straggler of its last run
+    replaying an effect (its key no longer found), and a sender delivering a duplicate event.
+    Neither gets what was pruned, and neither guesses: the fence refuses the straggler before
+    it writes an intent or performs anything, and the inbox answers 409 with the reason."""
+    from orchestrator.engine import inbox
+    from orchestrator.engine.lease import Lease, LeaseLost
+    from orchestrator.engine.wal import perform
+    from orchestrator.models import DemoDestination
+    from orchestrator.primitives.cancellation import CancellationToken
+
+    settings.ORCH_RETAIN_WAL_DAYS = 90
+    task = finished_task(100)
+    last_run = WalEntry.objects.filter(task=task).order_by("id").last()
+    straggler = Lease(task_id=task.pk, epoch=last_run.lease_epoch, owner=last_run.worker, host="dead-host", pid=1)
+    rows_before = list(DemoDestination.objects.order_by("pk").values_list("pk", "amount"))
+    assert retention.run().wal_deleted >= 4 and WalEntry.objects.filter(task=task).count() == 0
+
+    # The transactional tool: its rows would be written first, then rolled back by the fence.
+    with pytest.raises(LeaseLost):
+        perform(lease=straggler, step_id=last_run.step_id, call_index=0, tool_name="db.upsert",
+                args={"table": "demo_destination", "columns": ["id", "amount"], "rows": [[1, "999.5"]]},
+                token=CancellationToken(), completed=[])
+    # A non-idempotent one: refused before its intent, so nothing was sent (port 9 listens to nothing:
+    # had it been tried, the error would be the SMTP connection's, not the lease's).
+    settings.EMAIL_HOST, settings.EMAIL_PORT = "127.0.0.1", 9
+    with pytest.raises(LeaseLost):
+        perform(lease=straggler, step_id="notify", call_index=0, tool_name="email.send",
+                args={"to": ["ops@example.org"], "subject": "replayed", "body": "x"}, token=CancellationToken(), completed=[])
+    assert WalEntry.objects.filter(task=task).count() == 0 and keys_of(task) == 0
+    assert list(DemoDestination.objects.order_by("pk").values_list("pk", "amount")) == rows_before
+
+    with pytest.raises(inbox.InboxRefused) as refused:
+        inbox.send(task_id=task.pk, type="message", payload={"text": "hello again"}, source="webhook:crm",
+                   source_event_id="crm-1")
+    assert refused.value.status == 409 and "takes no more events" in str(refused.value)
