@@ -69,9 +69,12 @@ class RecentValuesFilter(admin.AllValuesFieldListFilter):
 
     def __init__(self, field, request, params, model, model_admin, field_path):
         super().__init__(field, request, params, model, model_admin, field_path)
-        newest = model._default_manager.order_by("-pk").values_list("pk", flat=True)[:RECENT_ROWS]
-        recent = (model._default_manager.filter(pk__in=list(newest)).exclude(**{f"{field_path}__isnull": True})
-                  .values_list(field_path, flat=True).distinct().order_by(field_path))
+        rows = model._default_manager.all()
+        oldest_recent = rows.order_by("-pk").values_list("pk", flat=True)[RECENT_ROWS - 1:RECENT_ROWS].first()
+        if oldest_recent is not None:  # otherwise the table is short: all its rows are recent
+            rows = rows.filter(pk__gte=oldest_recent)
+        recent = (rows.exclude(**{f"{field_path}__isnull": True}).values_list(field_path, flat=True)
+                  .distinct().order_by(field_path))
         chosen = [v for v in (self.lookup_val or []) if v]
         self.lookup_choices = sorted(set(recent) | set(chosen))
 
