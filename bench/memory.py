@@ -424,10 +424,10 @@ def section_web() -> None:
         sampling.join()
         programs.check()
     finally:
+        programs.stop()  # first: nothing this started may outlive a failed run
         stop.set()
         if feeder.is_alive():
             feeder.join(timeout=10)
-        programs.stop()
         close_old_connections()
     base_t, base_c, base_m, base_p, base_rss = samples[0]
     print(f"  daphne RSS after start-up {mib(booted)} MiB; after warm-up {mib(base_rss)} MiB "
@@ -571,6 +571,8 @@ def section_worker() -> None:
 # --- main -------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
+    # A SIGTERM (a timeout, Ctrl-C's cousin) unwinds like an exception, so the programs stop too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default=os.environ.get("BENCH_ONLY", ""), help="web, worker (comma-separated)")
     args = parser.parse_args(argv)
