@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PORT ?= 8000
 export PORT
 
-.PHONY: run test test-postgres install migrate bench bench-events bench-agent clean
+.PHONY: run test test-postgres install migrate bench bench-events bench-agent bench-memory clean
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -45,6 +45,12 @@ bench-events: install
 ## The agent's harness overhead per LLM turn and tool call, against the stand-in model (DATABASE_URL or SQLite):
 bench-agent: install
 	$(PY) bench/agent.py $(BENCH_ARGS)
+
+## Memory over a long life on PostgreSQL + Redis (DATABASE_URL, default .../bench_memory; BENCH_REDIS_URL, default
+## db 6, emptied first): daphne's RSS under BENCH_WEB_MINUTES (10) of websocket churn, and a worker's RSS over
+## BENCH_WORKER_STEPS (100,000) steps, isolated and in-process. Figures only.
+bench-memory: install
+	$(PY) bench/memory.py $(BENCH_ARGS)
 
 clean:
 	rm -rf var/ .pytest_cache

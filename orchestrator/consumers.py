@@ -64,6 +64,7 @@ def parse_seq(value) -> int:
 
 class RoleRequiredConsumer(AsyncJsonWebsocketConsumer):
     async def __call__(self, scope, receive, send):
+        self.groups_joined: set[str] = set()
         # The channel layer (Redis) went away under this socket: close it (the page
         # reconnects with its last seq and catches up from the database) instead of
         # failing inside the application.
@@ -75,6 +76,34 @@ class RoleRequiredConsumer(AsyncJsonWebsocketConsumer):
                 await send({"type": "websocket.close", "code": CHANNEL_LAYER_CLOSE_CODE})
             except Exception:  # the socket may be gone already
                 pass
+        finally:
+            # However it ended: also when daphne cancelled an instance still busy
+            # application_close_timeout (10 s) after its client left, so that disconnect()
+            # never ran. Left in its groups, the channel would get every hint for a day
+            # (group_expiry) and the web process would buffer them (live.channel_closed).
+            await self.leave()
+
+    async def join(self, group: str) -> None:
+        self.groups_joined.add(group)  # first: a cancel during group_add still leaves it
+        await self.channel_layer.group_add(group, self.channel_name)
+
+    async def leave(self) -> None:
+        """Leave every group joined and drop what the layer buffered for this channel (idempotent)."""
+        channel = getattr(self, "channel_name", None)
+        if channel is None:
+            return
+        try:
+            while self.groups_joined:
+                await self.channel_layer.group_discard(self.groups_joined.pop(), channel)
+        except live.CHANNEL_LAYER_DOWN as exc:  # Redis away: its groups expire (group_expiry)
+            log.info("channel layer unreachable: could not leave groups (%s)", exc)
+        finally:
+            self.groups_joined.clear()
+            live.channel_closed(self.channel_layer, channel)
+
+    async def websocket_connect(self, message):
+        live.channel_opened(self.channel_name)  # before any group: see live.prune_receive_buffers
+        await super().websocket_connect(message)
 
     async def connect(self):
         try:
@@ -84,7 +113,7 @@ class RoleRequiredConsumer(AsyncJsonWebsocketConsumer):
                 await self.close(code=4403)  # before accept: the handshake is refused (HTTP 403)
                 return
             live.tailer.ensure_running()
-            await self.channel_layer.group_add(live.SITE_GROUP, self.channel_name)
+            await self.join(live.SITE_GROUP)
             await self.start()
         except DATABASE_DOWN:
             # Say so, then close: the page shows the banner and reconnects (with its last
@@ -102,7 +131,7 @@ class RoleRequiredConsumer(AsyncJsonWebsocketConsumer):
         """After an outage: send what changed meanwhile."""
 
     async def websocket_disconnect(self, message):
-        await self.channel_layer.group_discard(live.SITE_GROUP, self.channel_name)
+        await self.leave()
         await super().websocket_disconnect(message)
 
     async def start(self):
@@ -140,7 +169,7 @@ class TaskConsumer(RoleRequiredConsumer):
             await self.close(code=4404)
             return
         self.group = task_group(self.task_id)
-        await self.channel_layer.group_add(self.group, self.channel_name)
+        await self.join(self.group)
         await self.accept()
         self.lock = asyncio.Lock()
         self.render_lock = asyncio.Lock()  # one refresh at a time: regions are sent in render order
@@ -168,8 +197,7 @@ class TaskConsumer(RoleRequiredConsumer):
                 RESUME_WAIT, lambda: asyncio.ensure_future(self.begin_streaming()))
 
     async def disconnect(self, code):
-        if hasattr(self, "group"):
-            await self.channel_layer.group_discard(self.group, self.channel_name)
+        # (The groups were left in websocket_disconnect.)
         if getattr(self, "start_timer", None):
             self.start_timer.cancel()
 
@@ -268,7 +296,7 @@ class TaskListConsumer(RoleRequiredConsumer):
         self.rows_pending: set[int] = set()
         self.rows_scheduled = False
         self.last_rows_at = 0.0
-        await self.channel_layer.group_add(TASK_LIST_GROUP, self.channel_name)
+        await self.join(TASK_LIST_GROUP)
         await self.accept()
         tasks = await database_sync_to_async(live.recent_summaries)()
         await self.send_json({"type": "state", "tasks": tasks})
@@ -299,9 +327,6 @@ class TaskListConsumer(RoleRequiredConsumer):
 
     async def caught_up(self):
         self.schedule_rows()
-
-    async def disconnect(self, code):
-        await self.channel_layer.group_discard(TASK_LIST_GROUP, self.channel_name)
 
     async def task_changed(self, message):
         await self.send_json({"type": "task", "id": message["task_id"], "seq": message["seq"],

@@ -46,8 +46,52 @@ MAX_REPLAY = 5000  # a client further behind than this is told to reload
 STEPS_SENT = 2000  # as many as the task page shows
 
 
+PRUNE_EVERY = 10.0  # seconds between sweeps of the channel layer's receive buffers
+
+
 def poll_interval() -> float:
     return settings.ORCH_LIVE_POLL_SECONDS
+
+
+# --- the channels of this process's open websockets -------------------------------------------
+# channels_redis buffers, per process-local channel, the messages read from Redis for it until
+# its consumer takes them (RedisChannelLayer.receive_buffer). A message that arrives after the
+# consumer stopped receiving (a hint in flight while the socket closed, or any hint for a
+# socket whose instance daphne killed before it left its groups) is buffered for good: one
+# queue of up to `capacity` messages per such channel, for the life of the process
+# (channels_redis issue #384). Consumers say when they open and close; a closed channel's
+# buffer is dropped, and the tailer sweeps away buffers that filled up after that.
+_open_channels: set[str] = set()
+
+
+def channel_opened(name: str) -> None:
+    _open_channels.add(name)
+
+
+def channel_closed(layer, name: str) -> None:
+    """`name`'s consumer is gone (it no longer receives): forget it and its buffered messages."""
+    _open_channels.discard(name)
+    buffers = getattr(layer, "receive_buffer", None)
+    if buffers is not None:
+        buffers.pop(name, None)
+
+
+def open_channel_count() -> int:
+    return len(_open_channels)
+
+
+def prune_receive_buffers(layer) -> int:
+    """Drop the buffered messages of channels no open websocket of this process owns; the
+    number dropped. Only non-empty buffers: an empty one is a receive waiting, maybe of a
+    consumer that has not reached connect() yet (no message can be sent to its channel
+    before it joins a group, which it does after saying it is open)."""
+    buffers = getattr(layer, "receive_buffer", None)
+    if not buffers:
+        return 0
+    stale = [name for name, queue in list(buffers.items()) if name not in _open_channels and not queue.empty()]
+    for name in stale:
+        buffers.pop(name, None)
+    return len(stale)
 
 
 # --- what is sent ---------------------------------------------------------------------------
@@ -207,6 +251,7 @@ class EventTailer:
     async def run(self) -> None:
         # Tasks already changed before we started are not news.
         since = timezone.now() - LOOKBACK
+        next_prune = asyncio.get_running_loop().time() + PRUNE_EVERY
         try:
             for row in await database_sync_to_async(changed_tasks)(since):
                 self.known[row["id"]] = row["event_seq"]
@@ -216,6 +261,11 @@ class EventTailer:
         while True:
             # While LISTEN delivers, the poll is only a safety net (a missed notification).
             await asyncio.sleep(max(poll_interval(), 1.0) if self.listening else poll_interval())
+            if asyncio.get_running_loop().time() >= next_prune:
+                next_prune = asyncio.get_running_loop().time() + PRUNE_EVERY
+                dropped = prune_receive_buffers(get_channel_layer())
+                if dropped:
+                    log.debug("dropped the buffered messages of %d closed websockets", dropped)
             try:
                 poll_started = timezone.now()
                 try:
