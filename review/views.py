@@ -22,7 +22,7 @@ from orchestrator.web.access import client_ip, viewer_required
 from . import selectors, services
 from .models import DECISIONS_BY_KIND, Decision, ReviewItem, ReviewStatus
 
-QUEUE_ROWS_SHOWN = 500
+QUEUE_ROWS_SHOWN = 100  # a page; the next ones by keyset (?after=<id>)
 OTHER_ITEMS_SHOWN = 100
 STATUS_CHOICES = (("open", "Open"), ("decided", "Decided"), ("all", "All"))
 FORM_FIELDS = ("decision", "note", "result")
@@ -50,18 +50,21 @@ def review_list(request):
     raw_task = request.GET.get("task", "").strip().lstrip("#")
     task_id = int(raw_task) if raw_task.isdigit() else None
 
+    raw_after = request.GET.get("after", "").strip()
+    after = int(raw_after) if raw_after.isdigit() and int(raw_after) < 2**63 else None
+
     qs = selectors.review_list(status=status, task_id=task_id, tool=tool)
     total = qs.count()
-    items = list(qs[:QUEUE_ROWS_SHOWN])
-    tools = sorted((set(ReviewItem.objects.values_list("wal_entry__tool", flat=True).distinct())
-                    | set(ReviewItem.objects.values_list("proposal__tool", flat=True).distinct())
-                    | ({tool} if tool else set())) - {None})
+    items, next_after = selectors.review_page(qs, after=after, limit=QUEUE_ROWS_SHOWN)
+    tools = sorted(set(selectors.recent_tools()) | ({tool} if tool else set()))
     filters = {k: v for k, v in (("status", status if status != "open" else ""), ("tool", tool),
                                  ("task", str(task_id) if task_id else "")) if v}
     return render(request, "review/review_list.html", {
         "items": items,
         "total": total,
         "truncated": total > len(items),
+        "after": after,
+        "next_after": next_after,
         "status": status,
         "status_choices": STATUS_CHOICES,
         "tool": tool,

@@ -49,6 +49,26 @@ def test_the_queue_lists_open_items_oldest_first(viewer, review_item):
         assert text in page, text
 
 
+def test_a_long_queue_pages_by_keyset_oldest_first_with_the_filters_kept(viewer, review_item, monkeypatch):
+    from review import views
+
+    monkeypatch.setattr(views, "QUEUE_ROWS_SHOWN", 2)
+    items = [review_item] + [make_review(to=f"r{i}@example.org") for i in range(4)]
+    ReviewItem.objects.filter(pk=items[2].pk).update(detected_at=items[1].detected_at)  # a tie: the id decides
+    client = logged_in(viewer)
+    seen, url = [], QUEUE + "?tool=email.send"
+    while url:
+        response = client.get(url)
+        assert response.status_code == 200 and 'data-testid="review-count">5<' in response.content.decode()
+        seen += [i.pk for i in response.context["items"]]
+        after = response.context["next_after"]
+        url = f"{QUEUE}?tool=email.send&after={after}" if after else None
+        if after:
+            assert f'href="?tool=email.send&amp;after={after}"' in response.content.decode()
+    assert seen == [i.pk for i in items]
+    assert client.get(QUEUE, {"after": "not-a-number"}).context["items"][0].pk == review_item.pk
+
+
 def test_the_queue_filters_by_status_tool_and_task(reviewer, review_item):
     other = make_review(to="b@example.org")
     client = logged_in(reviewer)
