@@ -56,7 +56,7 @@ def review_list(request):
     qs = selectors.review_list(status=status, task_id=task_id, tool=tool)
     total = qs.count()
     items, next_after = selectors.review_page(qs, after=after, limit=QUEUE_ROWS_SHOWN)
-    tools = sorted(set(selectors.recent_tools()) | ({tool} if tool else set()))
+    tools = sorted(set(selectors.tool_names()) | ({tool} if tool else set()))
     filters = {k: v for k, v in (("status", status if status != "open" else ""), ("tool", tool),
                                  ("task", str(task_id) if task_id else "")) if v}
     return render(request, "review/review_list.html", {
