@@ -177,20 +177,21 @@ def fill_children(template: Task, first: int, last: int) -> None:
 def add_reviews() -> None:
     """REVIEWS items, OPEN_REVIEWS of them open (on the tasks in review), on a WAL row each."""
     sql(f"""INSERT INTO review_reviewitem (task_id, wal_entry_id, kind, status, reason, dead_worker, detected_at, evidence,
-              decision, decision_result, note, decided_at, proposal, step_id)
+              decision, decision_result, note, decided_at, proposal, step_id, tool)
             SELECT t.id, (SELECT min(w.id) FROM orchestrator_walentry w WHERE w.task_id = t.id), 'effect',
                    CASE WHEN t.status = 'awaiting_review' THEN 'open' ELSE 'decided' END,
                    'the worker died after sending; whether the effect happened is unknown', 'host-2:77:dead',
                    t.created_at, '{{}}'::jsonb,
                    CASE WHEN t.status = 'awaiting_review' THEN '' ELSE 'happened' END, NULL::jsonb, '',
-                   CASE WHEN t.status = 'awaiting_review' THEN NULL ELSE t.finished_at END, NULL::jsonb, 'batch-0001'
+                   CASE WHEN t.status = 'awaiting_review' THEN NULL ELSE t.finished_at END, NULL::jsonb, 'batch-0001',
+                   'db.upsert'
             FROM (SELECT * FROM orchestrator_task WHERE status = 'awaiting_review' ORDER BY id LIMIT {OPEN_REVIEWS}) t
             UNION ALL
             SELECT t.id, (SELECT min(w.id) FROM orchestrator_walentry w WHERE w.task_id = t.id), 'effect', 'decided',
                    'the worker died after sending; whether the effect happened is unknown', 'host-2:77:dead',
                    t.created_at, '{{}}'::jsonb, 'happened', NULL::jsonb, 'checked with the provider', t.finished_at, NULL::jsonb,
-                   'batch-0001'
-            FROM (SELECT * FROM orchestrator_task WHERE status = 'completed' AND id % 97 = 0 ORDER BY id
+                   'batch-0001', 'db.upsert'
+            FROM (SELECT * FROM orchestrator_task WHERE status = 'completed' AND id % 43 = 0 ORDER BY id
                   LIMIT {REVIEWS - OPEN_REVIEWS}) t""")
 
 
@@ -271,6 +272,7 @@ def pages(template: Task) -> list[tuple[str, str, str]]:
              ("review", "queue (open)", "/review/"),
              ("review", "queue (decided)", "/review/?status=decided"),
              ("review", "queue, one task", f"/review/?task={in_review}"),
+             ("review", "queue, one tool", "/review/?status=decided&tool=db.upsert"),
              ("inbox", "API inbox of a task", f"/api/tasks/{middle}/inbox"),
              ("inbox", "API progress events of a task", f"/api/tasks/{middle}/events"),
              ("API", "GET /api/tasks", "/api/tasks"),
@@ -289,6 +291,7 @@ def pages(template: Task) -> list[tuple[str, str, str]]:
              ("admin", "events of one task", f"/admin/orchestrator/taskevent/?task__id__exact={middle}"),
              ("admin", "idempotency key search", f"/admin/orchestrator/idempotencyrecord/?q=t{middle}:batch-0002:0"),
              ("admin", "review items", "/admin/review/reviewitem/"),
+             ("admin", "review items of a tool", "/admin/review/reviewitem/?tool=db.upsert"),
              ("admin", "task change page", f"/admin/orchestrator/task/{middle}/change/")]
     return rows
 

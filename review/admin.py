@@ -8,6 +8,22 @@ from django.utils.html import format_html
 from orchestrator.admin import TaskFilter, TaskRecordAdmin, task_link
 
 from .models import ReviewItem
+from .selectors import tool_names
+
+
+class ToolFilter(admin.SimpleListFilter):
+    """By tool, from the registries: an "all values" filter would read the distinct tools
+    of a year of items on every view."""
+
+    title = "tool"
+    parameter_name = "tool"
+
+    def lookups(self, request, model_admin):
+        return [(name, name) for name in tool_names()]
+
+    def queryset(self, request, queryset):
+        value = self.value()
+        return queryset if not value else queryset.filter(tool=value)
 
 
 @admin.register(ReviewItem)
@@ -15,7 +31,7 @@ class ReviewItemAdmin(TaskRecordAdmin):
     list_display = ("id", task_link, "kind", "step", "tool", "idempotency_key", "status", "decision", "dead_worker",
                     "detected_at", "decided_by", "decided_at")
     list_display_links = ("id",)
-    list_filter = (TaskFilter, "kind", "status", "decision", "wal_entry__tool", "detected_at",
+    list_filter = (TaskFilter, "kind", "status", "decision", ToolFilter, "detected_at",
                    ("decided_by", admin.RelatedOnlyFieldListFilter))
     search_fields = ("=task__id", "wal_entry__idempotency_key", "note", "reason", "dead_worker")
     date_hierarchy = "detected_at"
@@ -31,10 +47,6 @@ class ReviewItemAdmin(TaskRecordAdmin):
     @admin.display(description="step", ordering="wal_entry__step_id")
     def step(self, obj):
         return obj.step
-
-    @admin.display(description="tool", ordering="wal_entry__tool")
-    def tool(self, obj):
-        return obj.tool
 
     @admin.display(description="idempotency key", ordering="wal_entry__idempotency_key")
     def idempotency_key(self, obj):

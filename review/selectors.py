@@ -13,7 +13,7 @@ def review_list(*, status: str = "open", task_id: int | None = None, tool: str =
     if task_id:
         qs = qs.filter(task_id=task_id)
     if tool:
-        qs = qs.filter(Q(wal_entry__tool=tool) | Q(proposal__tool=tool))
+        qs = qs.filter(tool=tool)
     return qs
 
 
