@@ -4,8 +4,8 @@ worker.drive_task), with a real worker process, on the ORM broker and on Redis.
 One worker slot, a task running and three queued behind it: the running task's executor is
 killed (kill -9), its watchdog recovers it at once and sends its message to the back of the
 queue. The next message the slot takes names a queued task; the recovered task must run
-first, and the queued task whose turn it took must still run (no sweeper runs here, so only
-the worker sending it again can get it going)."""
+first, and the queued task whose turn it took must still run (no sweeper re-sends it here,
+so only the worker sending it again can get it going)."""
 import os
 import signal
 
@@ -30,7 +30,9 @@ def steps_done(task_id: int) -> list[TaskEvent]:
 def test_a_recovered_task_runs_before_the_tasks_queued_behind_it(broker, request, start_workers, settings,
                                                                  monkeypatch):
     settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
-    env = dict(TEST_TYPES)
+    # The sweeper's schedule (every minute, in the cluster) must not re-send the task whose
+    # turn was taken: only the worker sending it again may get it going.
+    env = {**TEST_TYPES, "ORCH_REQUEUE_AFTER_SECONDS": 600}
     if broker == "redis":
         redis_url = request.getfixturevalue("private_redis").url
         env["REDIS_URL"] = redis_url
