@@ -1,4 +1,5 @@
-"""Measurement helpers the benchmark scripts share (bench/steps.py, bench/compare.py).
+"""Measurement helpers the benchmark scripts share (bench/steps.py, bench/compare.py,
+bench/hosts.py, bench/recovery.py).
 
 - `DjangoCounters`: commits (`BaseDatabaseWrapper.commit`) and SQL statements of every Django
   connection in every thread of this process (the runner, step threads, the heartbeat).
@@ -7,6 +8,8 @@
   committed per database (`pg_stat_database.xact_commit` deltas, read once the statistics have
   settled) and bytes on disk per table (`pg_total_relation_size`, indexes and TOAST included).
 - `rss_kib`: this process's resident set size.
+- `pct`: a percentile of a list of timings; `host_of`: which of the worker hosts a benchmark
+  started (bench/hosts.py, bench/recovery.py) a process belongs to.
 
 Nothing here asserts: the scripts print figures.
 """
@@ -112,6 +115,29 @@ def peak_rss_kib() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def pct(values, q: int) -> float:
+    """The q-th percentile (statistics.quantiles, n=100); the value itself when there is one."""
+    import statistics
+
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+
+
+def host_of(pid: int, hosts: list):
+    """The host (a Popen started in its own session: a `qcluster`) among `hosts` that process
+    `pid` is, or descends from; None when it is none of theirs or is gone."""
+    from orchestrator.engine import processes
+
+    while pid and pid > 1:
+        for host in hosts:
+            if pid == host.pid:
+                return host
+        stat = processes._stat(pid)
+        if stat is None:
+            return None
+        pid = stat[0]
+    return None
 
 
 class PgServer:

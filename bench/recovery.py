@@ -10,7 +10,6 @@ Two crashes, with two worker clusters and a sweeper (`recover --loop`) running:
 """
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.pop("REDIS_URL", None)
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "8"))
 from bench._django import database_label, setup  # noqa: E402
+from bench.measure import host_of, pct  # noqa: E402
 
 setup("recovery-bench", ORCH_HEARTBEAT_SECONDS="1", ORCH_STALE_AFTER_SECONDS="3", ORCH_MAX_RECOVERY_ATTEMPTS="1000")
 
@@ -52,20 +52,10 @@ def running(task_id: int, after_epoch: int):
 
 
 def cluster_of(executor: int, clusters: list[subprocess.Popen]) -> subprocess.Popen:
-    pid = executor
-    while pid > 1:
-        for cluster in clusters:
-            if pid == cluster.pid:
-                return cluster
-        stat = processes._stat(pid)
-        if stat is None:
-            break
-        pid = stat[0]
-    raise LookupError(executor)
-
-
-def pct(values, q):
-    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+    cluster = host_of(executor, clusters)
+    if cluster is None:
+        raise LookupError(executor)
+    return cluster
 
 
 def main():

@@ -54,13 +54,34 @@ def claim(task_id: int) -> Lease | None:
     Returns None when someone else holds a live lease, another claimer has the row locked
     (SKIP LOCKED on PostgreSQL), or the task is not runnable.
     """
-    host, pid, owner = worker_identity()
     stale_before = timezone.now() - timedelta(seconds=harness.stale_after_seconds)
+    return _claim_first(Task.objects.filter(pk=task_id, status__in=CLAIMABLE).filter(
+        Q(lease_owner="") | Q(heartbeat_at__lt=stale_before) | Q(heartbeat_at__isnull=True)))
+
+
+def claim_recovering() -> Lease | None:
+    """Take the lease on the task waiting for a worker whose recovery began first, if any.
+
+    A broker message is a turn on a worker slot. The queue is FIFO (Redis) or roughly so (the
+    ORM broker), and a recovered task's message goes in at the back: with many tasks queued it
+    would wait for all of them — a dead host's tasks would run again minutes later. So the
+    worker that gets a message (worker.drive_task) first takes, among the tasks waiting for a
+    worker, one that is being recovered (`recovering_since` set; the runner clears it once the
+    task is going again), and only then the task the message names. The choice is made when
+    a slot is free, not when the message was sent, so it works with any broker and with the
+    messages a cluster has already prefetched. It is a claim like any other (compare-and-set,
+    SKIP LOCKED on PostgreSQL, a new lease epoch), so fencing is unchanged; the task whose
+    turn it took is handed to the broker again (worker.drive_task)."""
+    return _claim_first(Task.objects.filter(recovering_since__isnull=False, status__in=CLAIMABLE, lease_owner="")
+                        .order_by("recovering_since", "pk"))
+
+
+def _claim_first(candidates) -> Lease | None:
+    """Lock the first of `candidates` nobody else has locked, and make this worker its holder
+    with a new lease epoch."""
+    host, pid, owner = worker_identity()
     with transaction.atomic():
-        task = (Task.objects.select_for_update(skip_locked=True)
-                .filter(pk=task_id, status__in=CLAIMABLE)
-                .filter(Q(lease_owner="") | Q(heartbeat_at__lt=stale_before) | Q(heartbeat_at__isnull=True))
-                .first())
+        task = candidates.select_for_update(skip_locked=True).first()
         if task is None:
             return None
         previous = task.lease_owner
@@ -70,10 +91,10 @@ def claim(task_id: int) -> Lease | None:
         task.heartbeat_at = timezone.now()
         # The status becomes `running` when the executor starts (engine/checkpoint.py).
         task.save(update_fields=["lease_epoch", "lease_owner", "worker_host", "worker_pid", "heartbeat_at"])
-    log.info("claimed task", extra={"task_id": task_id, "lease_epoch": task.lease_epoch, "worker": owner,
+    log.info("claimed task", extra={"task_id": task.pk, "lease_epoch": task.lease_epoch, "worker": owner,
                                     "checkpoint_version": task.checkpoint_version,
                                     "resume_strategy": "takeover" if previous else "fresh"})
-    return Lease(task_id=task_id, epoch=task.lease_epoch, owner=owner, host=host, pid=pid)
+    return Lease(task_id=task.pk, epoch=task.lease_epoch, owner=owner, host=host, pid=pid)
 
 
 def heartbeat(lease: Lease, activities: list[dict] | None = None) -> bool:

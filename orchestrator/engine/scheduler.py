@@ -4,13 +4,17 @@ a worker never looks for a task that is not there yet.
 The broker is a hint, not the truth: a message can be lost (a Redis restart; a crash
 between the commit and the send). `enqueued_at` records each hand-over, and the sweeper
 re-sends a queued task that nobody claimed for ORCH_REQUEUE_AFTER_SECONDS
-(recovery.requeue_unclaimed). Claims are compare-and-set, so a duplicate is harmless."""
+(recovery.requeue_unclaimed). Claims are compare-and-set, so a duplicate is harmless.
+
+A message is a turn on a worker slot rather than an order to run that very task: a worker
+runs a task being recovered before the one its message names, and hands that one to the
+broker again (`send_again`; worker.drive_task and lease.claim_recovering say why)."""
 import logging
 
 from django.db import transaction
 from django.utils import timezone
 
-from ..models import Task
+from ..models import Task, TaskStatus as S
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +24,18 @@ DRIVE = "orchestrator.engine.worker.drive_task"
 def enqueue(task_id: int) -> None:
     Task.objects.filter(pk=task_id).update(enqueued_at=timezone.now())
     transaction.on_commit(lambda: send(task_id))
+
+
+def send_again(task_id: int) -> bool:
+    """A worker used this task's message to run a recovering task: send it again, if it is
+    still waiting for a worker (not claimed meanwhile through a duplicate message, not
+    finished). It goes to the back of the queue; a task's turn is taken at most once per
+    recovery, so none starves. False when there was nothing to send or the broker is down (then
+    the sweeper re-sends it after ORCH_REQUEUE_AFTER_SECONDS, as for a lost message)."""
+    if not Task.objects.filter(pk=task_id, status__in=(S.QUEUED, S.RUNNING), lease_owner="").update(
+            enqueued_at=timezone.now()):
+        return False
+    return send(task_id)
 
 
 try:

@@ -5,7 +5,8 @@ from django.db import close_old_connections
 
 from .. import telemetry
 from ..conf import harness
-from .lease import claim
+from . import scheduler
+from .lease import claim, claim_recovering
 from .runner import Runner
 from .executor import run_isolated
 
@@ -15,7 +16,14 @@ log = logging.getLogger(__name__)
 @telemetry.traced_drive
 def drive_task(task_id: int) -> str:
     close_old_connections()
-    lease = claim(task_id)
+    # A task being recovered runs before the one this message names, which may have waited
+    # behind a long queue while the recovered task's own message is at its back (a dead
+    # host's tasks would run again only once every queued task had had its turn): see
+    # lease.claim_recovering. The named task is not dropped: it is sent again (to the back).
+    lease = claim_recovering()
+    if lease is not None and lease.task_id != task_id:
+        scheduler.send_again(task_id)
+    lease = lease or claim(task_id)
     if lease is None:
         # Another worker holds a live lease, or the task is no longer runnable: a
         # duplicate delivery is harmless.

@@ -1,0 +1,63 @@
+"""A recovered task runs before the tasks merely queued (lease.claim_recovering,
+worker.drive_task), with a real worker process, on the ORM broker and on Redis.
+
+One worker slot, a task running and three queued behind it: the running task's executor is
+killed (kill -9), its watchdog recovers it at once and sends its message to the back of the
+queue. The next message the slot takes names a queued task; the recovered task must run
+first, and the queued task whose turn it took must still run (no sweeper re-sends it here,
+so only the worker sending it again can get it going)."""
+import os
+import signal
+
+import pytest
+from django_q.conf import Conf
+
+from orchestrator.engine import services
+from orchestrator.models import Task, TaskEvent
+from tests.conftest import wait_for
+
+pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
+
+TEST_TYPES = {"ORCH_EXTRA_TASK_TYPES": "tests.support.testtypes"}
+STEPS = 8
+
+
+def steps_done(task_id: int) -> list[TaskEvent]:
+    return list(TaskEvent.objects.filter(task_id=task_id, kind="step_done").order_by("seq"))
+
+
+@pytest.mark.parametrize("broker", ["orm", "redis"])
+def test_a_recovered_task_runs_before_the_tasks_queued_behind_it(broker, request, start_workers, settings,
+                                                                 monkeypatch):
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+    # The sweeper's schedule (every minute, in the cluster) must not re-send the task whose
+    # turn was taken: only the worker sending it again may get it going.
+    env = {**TEST_TYPES, "ORCH_REQUEUE_AFTER_SECONDS": 600}
+    if broker == "redis":
+        redis_url = request.getfixturevalue("private_redis").url
+        env["REDIS_URL"] = redis_url
+        # This process sends the tasks' messages (task_create): to the workers' Redis.
+        monkeypatch.setattr(Conf, "ORM", None)
+        monkeypatch.setattr(Conf, "REDIS", redis_url)
+    start_workers(1, **env)
+    ids = [services.task_create(type="test.interruptible", params={"mode": "sleep", "steps": STEPS, "seconds": 0.25}).pk
+           for _ in range(4)]
+    # Whichever the slot took first (the ORM broker does not promise FIFO) is the victim,
+    # killed once it has committed a step; the other three are queued behind it.
+    victim = wait_for(lambda: Task.objects.filter(pk__in=ids, status="running", worker_pid__isnull=False)
+                      .exclude(lease_owner="").first(), timeout=60, message="a task running")
+    wait_for(lambda: steps_done(victim.pk), timeout=30, message="the victim's first step")
+    victim.refresh_from_db()
+    queued = [i for i in ids if i != victim.pk]
+    assert Task.objects.filter(pk__in=queued, lease_epoch=0).count() == 3  # not one claimed yet
+    os.kill(victim.worker_pid, signal.SIGKILL)
+
+    wait_for(lambda: Task.objects.filter(pk__in=ids, status="completed").count() == 4, timeout=90,
+             message="every task to complete (the one whose turn was taken too)")
+    recovery = TaskEvent.objects.get(task_id=victim.pk, kind="recovery")
+    resumed = [e for e in steps_done(victim.pk) if e.seq > recovery.seq]
+    assert resumed and len(steps_done(victim.pk)) == STEPS  # continued from its checkpoint, no step twice
+    # One slot runs one task at a time: the recovered task's run came before any queued task's.
+    firsts = {i: steps_done(i)[0].created_at for i in queued}
+    assert all(resumed[0].created_at < first for first in firsts.values()), (resumed[0].created_at, firsts)
+    assert all(len(steps_done(i)) == STEPS for i in queued)
