@@ -76,6 +76,26 @@ def claim_recovering() -> Lease | None:
                         .order_by("recovering_since", "pk"))
 
 
+# A recovered task unclaimed this long is waiting for a slot, not for its message.
+RECOVERED_WAITING_AFTER = timedelta(seconds=0.5)
+
+
+def should_yield_to_recovered(task_id: int) -> bool:
+    """Whether the run of `task_id` should give its worker slot to a recovered task.
+
+    Running first among waiting tasks (claim_recovering) is not enough when every slot is busy:
+    a dead host's tasks would wait for whole runs elsewhere to end their slices (ORCH_SLICE_SECONDS).
+    So while recovered tasks wait for a slot, as many running tasks as there are such waiting
+    ones end their slice at their next step boundary — the ones with the lowest ids, so the
+    choice is the same in every runner and no more slots than needed change hands (the yielding
+    task is queued again, like any sliced one). Two indexed counts, once per heartbeat."""
+    waiting = Task.objects.filter(recovering_since__isnull=False, status__in=CLAIMABLE, lease_owner="",
+                                  enqueued_at__lt=timezone.now() - RECOVERED_WAITING_AFTER).count()
+    if not waiting:
+        return False
+    return Task.objects.filter(status=S.RUNNING, pk__lt=task_id).exclude(lease_owner="").count() < waiting
+
+
 def _claim_first(candidates) -> Lease | None:
     """Lock the first of `candidates` nobody else has locked, and make this worker its holder
     with a new lease epoch."""

@@ -122,6 +122,9 @@ class Supervisor(threading.Thread):
                             self.runner.lose_lease()
                             return
                         next_beat = time.monotonic() + harness.heartbeat_seconds
+                        if (not self.runner.yield_slot and self.runner.ran_for() >= harness.heartbeat_seconds
+                                and leases.should_yield_to_recovered(lease.task_id)):
+                            self.runner.yield_slot = True  # ends the slice at the next step boundary
                 except LeaseLost:
                     self.runner.lose_lease()
                     return
@@ -192,6 +195,8 @@ class Runner:
         self.control_seen_at = 0.0
         self.escalated = False
         self.limit_hit = ""
+        # Set by the supervisor while recovered tasks wait for a slot (leases.should_yield_to_recovered).
+        self.yield_slot = False
         self._subtasks_lock = threading.Lock()
         self.live_subtasks = 0
         # The inbox: the supervisor copies Task.inbox_seq here; the loop consumes at its next
@@ -439,9 +444,12 @@ class Runner:
             return "failure"
         if self.limit_reached():
             return "limit"
-        if time.monotonic() - self.started > harness.slice_seconds:
+        if time.monotonic() - self.started > harness.slice_seconds or self.yield_slot:
             return "slice"
         return ""
+
+    def ran_for(self) -> float:
+        return time.monotonic() - self.started
 
     def limit_reached(self) -> str:
         if self.limit_hit:

@@ -61,3 +61,32 @@ def test_a_recovered_task_runs_before_the_tasks_queued_behind_it(broker, request
     firsts = {i: steps_done(i)[0].created_at for i in queued}
     assert all(resumed[0].created_at < first for first in firsts.values()), (resumed[0].created_at, firsts)
     assert all(len(steps_done(i)) == STEPS for i in queued)
+
+
+def test_a_running_task_gives_its_slot_to_a_task_recovered_from_a_dead_host(start_workers, start_sweeper, settings):
+    """Every slot busy: a task that a dead host held must not wait for a whole run elsewhere.
+    The one slot's task ends its slice at a step boundary (leases.should_yield_to_recovered),
+    the recovered task runs, and the yielding task goes on afterwards from its checkpoint."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+    start_workers(1, **TEST_TYPES, ORCH_REQUEUE_AFTER_SECONDS=600)
+    long = services.task_create(type="test.interruptible", params={"mode": "sleep", "steps": 80, "seconds": 0.25})
+    wait_for(lambda: steps_done(long.pk), timeout=60, message="the long task's first step")
+    # A task a host that just died was running (its heartbeat stopped a minute ago).
+    stale = timezone.now() - timedelta(seconds=60)
+    orphan = Task.objects.create(type="test.interruptible", params={"mode": "sleep", "steps": 4, "seconds": 0.1},
+                                 status="running", lease_owner="dead-host:4242:gone", lease_epoch=1,
+                                 worker_host="dead-host", heartbeat_at=stale, started_at=stale)
+    start_sweeper(**TEST_TYPES, ORCH_REQUEUE_AFTER_SECONDS=600)
+
+    wait_for(lambda: Task.objects.get(pk=orphan.pk).status == "completed", timeout=60,
+             message="the recovered task to run in the busy slot")
+    long.refresh_from_db()
+    assert long.status == "running" and len(steps_done(long.pk)) < 80  # it gave its slot; it had not finished
+    wait_for(lambda: Task.objects.get(pk=long.pk).status == "completed", timeout=90, message="the long task")
+    long.refresh_from_db()
+    assert long.lease_epoch >= 2 and len(steps_done(long.pk)) == 80  # claimed again, no step twice
+    assert len(steps_done(orphan.pk)) == 4
