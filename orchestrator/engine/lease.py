@@ -77,7 +77,15 @@ def claim_recovering() -> Lease | None:
 
 
 # A recovered task unclaimed this long is waiting for a slot, not for its message.
-RECOVERED_WAITING_AFTER = timedelta(seconds=0.5)
+RECOVERED_WAITING_AFTER = timedelta(seconds=0.25)
+
+
+def recovered_waiting():
+    """Recovered tasks that wait for a worker slot (a probe of the partial index on
+    `recovering_since`, almost always empty; the supervisor's poll asks it with the control
+    column, in the same query)."""
+    return Task.objects.filter(recovering_since__isnull=False, status__in=CLAIMABLE, lease_owner="",
+                               enqueued_at__lt=timezone.now() - RECOVERED_WAITING_AFTER)
 
 
 def should_yield_to_recovered(task_id: int) -> bool:
@@ -88,9 +96,8 @@ def should_yield_to_recovered(task_id: int) -> bool:
     So while recovered tasks wait for a slot, as many running tasks as there are such waiting
     ones end their slice at their next step boundary — the ones with the lowest ids, so the
     choice is the same in every runner and no more slots than needed change hands (the yielding
-    task is queued again, like any sliced one). Two indexed counts, once per heartbeat."""
-    waiting = Task.objects.filter(recovering_since__isnull=False, status__in=CLAIMABLE, lease_owner="",
-                                  enqueued_at__lt=timezone.now() - RECOVERED_WAITING_AFTER).count()
+    task is queued again, like any sliced one). Asked only while some recovered task waits."""
+    waiting = recovered_waiting().count()
     if not waiting:
         return False
     return Task.objects.filter(status=S.RUNNING, pk__lt=task_id).exclude(lease_owner="").count() < waiting

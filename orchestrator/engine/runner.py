@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.db import DatabaseError, close_old_connections, connection, transaction
+from django.db.models import Exists
 from django.utils import timezone
 
 from .. import telemetry
@@ -102,7 +103,8 @@ class Supervisor(threading.Thread):
             while not self._stopped.wait(harness.control_poll_seconds):
                 try:
                     row = (Task.objects.filter(pk=lease.task_id)
-                           .values("control", "lease_epoch", "lease_owner", "inbox_seq").first())
+                           .annotate(recovered_waiting=Exists(leases.recovered_waiting()))
+                           .values("control", "lease_epoch", "lease_owner", "inbox_seq", "recovered_waiting").first())
                     if row is None or row["lease_epoch"] != lease.epoch or row["lease_owner"] != lease.owner:
                         self.runner.lose_lease()
                         return
@@ -122,9 +124,10 @@ class Supervisor(threading.Thread):
                             self.runner.lose_lease()
                             return
                         next_beat = time.monotonic() + harness.heartbeat_seconds
-                        if (not self.runner.yield_slot and self.runner.ran_for() >= harness.heartbeat_seconds
-                                and leases.should_yield_to_recovered(lease.task_id)):
-                            self.runner.yield_slot = True  # ends the slice at the next step boundary
+                    if (row["recovered_waiting"] and not self.runner.yield_slot
+                            and self.runner.ran_for() >= harness.heartbeat_seconds
+                            and leases.should_yield_to_recovered(lease.task_id)):
+                        self.runner.yield_slot = True  # ends the slice at the next step boundary
                 except LeaseLost:
                     self.runner.lose_lease()
                     return
