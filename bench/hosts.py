@@ -40,7 +40,7 @@ PgServer(os.environ["DATABASE_URL"]).ensure_database(PgServer(os.environ["DATABA
 from bench._django import setup  # noqa: E402
 
 setup("hosts-bench", ORCH_HEARTBEAT_SECONDS="1", ORCH_STALE_AFTER_SECONDS=STALE, ORCH_MAX_RECOVERY_ATTEMPTS="1000",
-      ORCH_REQUEUE_AFTER_SECONDS="5")
+      ORCH_REQUEUE_AFTER_SECONDS=os.environ.get("ORCH_REQUEUE_AFTER_SECONDS", "5"))
 
 from django.db.models import Count  # noqa: E402
 

@@ -51,6 +51,9 @@ class Task(models.Model):
     lease_owner = models.CharField(max_length=200, blank=True)
     lease_epoch = models.PositiveBigIntegerField(default=0)
     heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # When the current holder claimed it: a run that yields its slot to a recovered task is
+    # chosen among those that have held theirs a while (lease.should_yield_to_recovered).
+    claimed_at = models.DateTimeField(null=True, blank=True)
     worker_host = models.CharField(max_length=200, blank=True)
     worker_pid = models.PositiveIntegerField(null=True, blank=True)
 

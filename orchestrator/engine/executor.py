@@ -16,7 +16,7 @@ import time
 from django.db import connections, transaction
 from django.utils import timezone
 
-from .. import telemetry
+from .. import tasktypes, telemetry
 from ..conf import harness
 from ..outage import DATABASE_DOWN, OutageWatch
 from ..models import Task, TaskStatus as S
@@ -33,6 +33,11 @@ CONTROL_POLL = 0.1
 
 def run_isolated(lease: Lease) -> str:
     processes.become_subreaper()
+    # Import the task types (and what they import: the agent's openai client alone is ~0.45 s)
+    # here, once per worker process, so that every executor forked from it has them: each
+    # executor importing them itself made a new slice (a recovered task's first, too) wait
+    # 0.4 s on a quiet machine and over 1 s on a busy one before its first step (bench/hosts.py).
+    tasktypes.all_types()
     connections.close_all()  # a forked child must not share the parent's sockets
     pid = os.fork()
     if pid == 0:  # the executor

@@ -76,8 +76,9 @@ def claim_recovering() -> Lease | None:
                         .order_by("recovering_since", "pk"))
 
 
-# A recovered task unclaimed this long is waiting for a slot, not for its message.
-RECOVERED_WAITING_AFTER = timedelta(seconds=0.25)
+# A recovered task unclaimed this long is waiting for a slot, not for its message: an idle
+# worker takes a message within one broker poll (Q_CLUSTER poll = 0.05 s; Redis pushes it).
+RECOVERED_WAITING_AFTER = timedelta(seconds=0.1)
 
 
 def recovered_waiting():
@@ -94,13 +95,20 @@ def should_yield_to_recovered(task_id: int) -> bool:
     Running first among waiting tasks (claim_recovering) is not enough when every slot is busy:
     a dead host's tasks would wait for whole runs elsewhere to end their slices (ORCH_SLICE_SECONDS).
     So while recovered tasks wait for a slot, as many running tasks as there are such waiting
-    ones end their slice at their next step boundary — the ones with the lowest ids, so the
-    choice is the same in every runner and no more slots than needed change hands (the yielding
-    task is queued again, like any sliced one). Asked only while some recovered task waits."""
+    ones end their slice at their next step boundary. They are chosen among the runs that have
+    held their slot for a heartbeat at least (a recovered task that just got a slot must not
+    give it up again), the lowest ids first, so the choice is the same in every runner and no
+    more slots than needed change hands (the yielding task is queued again, like any sliced
+    one). Asked only while some recovered task waits."""
     waiting = recovered_waiting().count()
     if not waiting:
         return False
-    return Task.objects.filter(status=S.RUNNING, pk__lt=task_id).exclude(lease_owner="").count() < waiting
+    settled = (Task.objects.filter(status=S.RUNNING,
+                                   claimed_at__lt=timezone.now() - timedelta(seconds=harness.heartbeat_seconds))
+               .exclude(lease_owner=""))
+    if not settled.filter(pk=task_id).exists():
+        return False
+    return settled.filter(pk__lt=task_id).count() < waiting
 
 
 def _claim_first(candidates) -> Lease | None:
@@ -115,9 +123,10 @@ def _claim_first(candidates) -> Lease | None:
         task.lease_epoch += 1
         # worker_pid is set by the process that executes the steps, when it starts.
         task.lease_owner, task.worker_host, task.worker_pid = owner, host, None
-        task.heartbeat_at = timezone.now()
+        task.heartbeat_at = task.claimed_at = timezone.now()
         # The status becomes `running` when the executor starts (engine/checkpoint.py).
-        task.save(update_fields=["lease_epoch", "lease_owner", "worker_host", "worker_pid", "heartbeat_at"])
+        task.save(update_fields=["lease_epoch", "lease_owner", "worker_host", "worker_pid", "heartbeat_at",
+                                 "claimed_at"])
     log.info("claimed task", extra={"task_id": task.pk, "lease_epoch": task.lease_epoch, "worker": owner,
                                     "checkpoint_version": task.checkpoint_version,
                                     "resume_strategy": "takeover" if previous else "fresh"})

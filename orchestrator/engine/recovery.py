@@ -45,17 +45,18 @@ def stale_tasks(now=None):
     return Task.objects.filter(heartbeat_at__lt=cutoff, status__in=(*SWEEPABLE, S.QUEUED)).exclude(lease_owner="")
 
 
-def sweep(requeue_budget: float | None = None) -> list[int]:
+def sweep(requeue_budget: float | None = None, requeue: bool = True) -> list[int]:
     """One pass: recover every stale task (returns the ids recovered by this sweeper), give
-    up on recoveries that took too long, and re-send unclaimed queued tasks (for at most
-    `requeue_budget` seconds, when given)."""
+    up on recoveries that took too long, and (when `requeue`) re-send unclaimed queued tasks
+    (for at most `requeue_budget` seconds, when given)."""
     recovered = []
     for task_id in stale_tasks().values_list("pk", flat=True)[:500]:
         if recover_task(task_id):
             recovered.append(task_id)
     give_up_slow_recoveries()
     wake_expired_waits()
-    requeue_unclaimed(budget=requeue_budget)
+    if requeue:
+        requeue_unclaimed(budget=requeue_budget)
     return recovered
 
 
@@ -249,13 +250,21 @@ def sweep_loop(interval: float | None = None) -> None:
     database = OutageWatch(log, "sweeper")
     recover_after = 0.0
     retained_at = None
+    # Recovering stale tasks is what a dead host's tasks wait for, so it runs every pass.
+    # Re-sending unclaimed messages (lost ones are rare, and wait ORCH_REQUEUE_AFTER_SECONDS
+    # anyway) runs ten times per that window at most, and for one interval per pass: with a
+    # long queue it has work every time, and doing it every pass doubled the time a dead
+    # host's tasks waited to be noticed (bench/hosts.py).
+    requeue_every = max(interval, harness.requeue_after_seconds / 10)
+    requeue_at = 0.0
     while True:
         try:
-            # Recovering stale tasks is what a dead host's tasks wait for: re-sending
-            # unclaimed messages gets one interval per pass, not the whole pass.
+            requeue = time.monotonic() >= requeue_at
+            if requeue:
+                requeue_at = time.monotonic() + requeue_every
             if time.monotonic() >= recover_after:
-                sweep(requeue_budget=interval)
-            else:
+                sweep(requeue_budget=interval, requeue=requeue)
+            elif requeue:
                 requeue_unclaimed(budget=interval)
             if retention.due_now(retained_at):
                 retained_at = timezone.now()

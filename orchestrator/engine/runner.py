@@ -125,7 +125,6 @@ class Supervisor(threading.Thread):
                             return
                         next_beat = time.monotonic() + harness.heartbeat_seconds
                     if (row["recovered_waiting"] and not self.runner.yield_slot
-                            and self.runner.ran_for() >= harness.heartbeat_seconds
                             and leases.should_yield_to_recovered(lease.task_id)):
                         self.runner.yield_slot = True  # ends the slice at the next step boundary
                 except LeaseLost:
@@ -450,9 +449,6 @@ class Runner:
         if time.monotonic() - self.started > harness.slice_seconds or self.yield_slot:
             return "slice"
         return ""
-
-    def ran_for(self) -> float:
-        return time.monotonic() - self.started
 
     def limit_reached(self) -> str:
         if self.limit_hit:

@@ -90,3 +90,33 @@ def test_a_running_task_gives_its_slot_to_a_task_recovered_from_a_dead_host(star
     long.refresh_from_db()
     assert long.lease_epoch >= 2 and len(steps_done(long.pk)) == 80  # claimed again, no step twice
     assert len(steps_done(orphan.pk)) == 4
+
+
+@pytest.mark.django_db
+def test_the_runs_that_yield_are_the_settled_ones_with_the_lowest_ids_as_many_as_recovered_tasks_wait():
+    """The choice every runner makes alone must agree: as many runs yield as recovered tasks
+    wait, the lowest ids among the runs that have held their slot a heartbeat or more. A run
+    claimed just now (a recovered task that has only just got its slot) never yields, and it
+    does not hold back the next one in line."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from orchestrator.engine import lease as leases
+
+    now = timezone.now()
+
+    def running(claimed_ago: float) -> int:
+        return Task.objects.create(type="test.interruptible", status="running", lease_owner="h:1:x", lease_epoch=1,
+                                   heartbeat_at=now, claimed_at=now - timedelta(seconds=claimed_ago)).pk
+
+    just_claimed, settled_a, settled_b, settled_c = running(0.1), running(5), running(5), running(5)
+    assert not any(leases.should_yield_to_recovered(t) for t in (just_claimed, settled_a, settled_b))  # none waits
+    recovered = [Task.objects.create(type="test.interruptible", status="running", lease_owner="",
+                                     recovering_since=now - timedelta(seconds=3),
+                                     enqueued_at=now - timedelta(seconds=1)) for _ in range(2)]
+    assert [leases.should_yield_to_recovered(t) for t in (just_claimed, settled_a, settled_b, settled_c)] == \
+        [False, True, True, False]
+    Task.objects.filter(pk=recovered[0].pk).update(lease_owner="h:2:y", claimed_at=now)  # one got a slot
+    assert [leases.should_yield_to_recovered(t) for t in (just_claimed, settled_a, settled_b, settled_c)] == \
+        [False, True, False, False]
