@@ -8,12 +8,14 @@ and, at the end, whether any step ran twice (fencing: two hosts never commit the
     BENCH_TASKS=1000 BENCH_KILLS=5 ORCH_STALE_AFTER_SECONDS=2 ...   (defaults: 1000, 5, 2)
     BENCH_BROKER=redis [BENCH_REDIS_URL=redis://127.0.0.1:6379/5]  (default: the ORM broker)
     BENCH_LOG_DIR=/tmp/hosts-logs   (the hosts' and the sweeper's INFO logs, one file each)
+    ORCH_REQUEUE_AFTER_SECONDS=5    (the sweeper re-sends messages a dead host had prefetched)
 
 The heartbeat is 1 s. A host's death is noticed by the sweeper when its tasks' heartbeats
 are older than ORCH_STALE_AFTER_SECONDS, so that bounds the figure from below. Then a
 recovered task needs a free worker slot: it goes before every queued task
 (lease.claim_recovering), but the surviving hosts' slots are all busy, so it waits for one
-of their tasks to finish a run. Both parts are printed. Prints figures; asserts nothing.
+of their runs to yield at a step boundary (lease.should_yield_to_recovered) and a new executor
+to start. Both parts are printed. Prints figures; asserts nothing.
 """
 import os
 import signal
