@@ -493,6 +493,11 @@ class StandinHandler(BaseHTTPRequestHandler):
     # --- plumbing
     def _send_json(self, status: int, payload: dict, headers: dict | None = None) -> None:
         data = json.dumps(payload).encode()
+        record = getattr(self, "record", None)
+        if record is not None:
+            # Recorded before the client can read the answer: a test that asks what the
+            # stand-in saw right after its response must not find the status still unset.
+            record.status = status
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -513,6 +518,7 @@ class StandinHandler(BaseHTTPRequestHandler):
             self._send_error(404, f"No route {self.path}; this stand-in serves /v1/chat/completions and /v1/models.")
 
     def do_POST(self):
+        self.record = None  # a kept-alive connection's handler serves many requests
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
         if self.path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
@@ -525,7 +531,7 @@ class StandinHandler(BaseHTTPRequestHandler):
         except ValueError as exc:
             self._send_error(400, f"The body is not valid JSON: {exc}")
             return
-        record = self.server.record(SeenRequest(self.path, str(body.get("model", "")), body))
+        record = self.record = self.server.record(SeenRequest(self.path, str(body.get("model", "")), body))
         try:
             record.status = self._complete(body)
         except (BrokenPipeError, ConnectionResetError, _Aborted):
