@@ -96,6 +96,28 @@ TABLE: tuple[Setting, ...] = (
     Setting("ORCH_DEFAULT_MAX_TOKENS", int, 10_000_000, "default max_tokens of a task"),
     Setting("ORCH_DEFAULT_MAX_SECONDS", float, 24 * 3600.0, "default max_seconds (active time) of a task"),
     Setting("ORCH_DEFAULT_MAX_SUBTASKS", int, 4, "default max_subtasks (steps run at once) of a task"),
+    # --- what an agent may reach (the security model: README "Security model")
+    Setting("ORCH_AGENT_HOST_TOOLS", names, [],
+            "agent tools that reach the host or the database (shell_run, db_query, db_upsert) this installation "
+            "enables; an admin must still grant them per task"),
+    Setting("ORCH_AGENT_DB_TABLES", names, ["demo_source", "demo_destination", "demo_contract_extraction"],
+            "the tables db_query may read (auth, sessions, tokens, webhooks, review and harness tables never)"),
+    Setting("ORCH_AGENT_DB_ROLE", str, "orchestrator_agent_reader",
+            "PostgreSQL: the read-only role db_query runs as (SET ROLE; `manage.py agent_db_role` grants it)"),
+    Setting("ORCH_AGENT_EMAIL_ALLOW", names, [],
+            "recipient patterns (`*@example.org`, `ops@example.org`) email_send may write to without approval "
+            "(empty: the domain of DEFAULT_FROM_EMAIL)"),
+    Setting("ORCH_HTTP_ALLOW", names, [],
+            "`host:port` pairs http_request may reach although they are loopback, private or link-local"),
+    Setting("ORCH_HTTP_TIMEOUT_SECONDS", float, 30.0, "the longest an agent's HTTP request may take"),
+    Setting("ORCH_HTTP_MAX_RESPONSE_BYTES", int, 1_000_000, "the largest response body an agent's HTTP request reads"),
+    Setting("ORCH_HTTP_MAX_REQUEST_BYTES", int, 1_000_000, "the largest request body an agent's HTTP request sends"),
+    Setting("ORCH_SANDBOX_CPU_SECONDS", int, 60, "shell_run: CPU seconds per call"),
+    Setting("ORCH_SANDBOX_MEMORY_MB", int, 512, "shell_run: address space per call (MiB)"),
+    Setting("ORCH_SANDBOX_PROCESSES", int, 64, "shell_run: processes per call"),
+    Setting("ORCH_SANDBOX_OUTPUT_BYTES", int, 65_536, "shell_run: stdout and stderr kept per call (each)"),
+    Setting("ORCH_WEBHOOK_RATE", str, "120/m",
+            "requests per source and per client address the webhook endpoint takes (django-ratelimit syntax)"),
     # --- web
     Setting("ORCH_LIVE_POLL_SECONDS", float, lambda values, env: 1.0 if env.get("REDIS_URL") else 0.1,
             "how often each web process looks for changed tasks (0.1 s; 1 s as a safety net with Redis)"),
