@@ -28,12 +28,13 @@ import time
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
 
 from . import live, roles
 from .engine.events import TASK_LIST_GROUP, task_group
 from .outage import DATABASE_DOWN
 from .presenters import fragments
+from .primitives import jsonlimits
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,9 @@ class RoleRequiredConsumer(AsyncJsonWebsocketConsumer):
             return
         try:
             content = await self.decode_json(text_data)
+        except jsonlimits.TooDeep as exc:
+            await self.send_error(f"Message not read: {exc}.")
+            return
         except ValueError:  # json.JSONDecodeError, and numbers too large to parse
             await self.send_error("Messages must be JSON, e.g. {\"resume_from\": 12}.")
             return
@@ -154,6 +158,10 @@ class RoleRequiredConsumer(AsyncJsonWebsocketConsumer):
 
     async def receive_json(self, content, **kwargs):
         await self.send_error("This websocket takes no messages; it only sends the task list's updates.")
+
+    @classmethod
+    async def decode_json(cls, text_data):
+        return jsonlimits.loads(text_data)  # a deeply nested message is an error message, not a close 1011
 
     @classmethod
     async def encode_json(cls, content):
@@ -336,3 +344,11 @@ class TaskListConsumer(RoleRequiredConsumer):
                               if message["steps_total"] else (100 if message["status"] == "completed" else 0)})
         self.rows_pending.add(message["task_id"])
         self.schedule_rows()
+
+
+class UnknownPathConsumer(AsyncWebsocketConsumer):
+    """Any other websocket path: refused at the handshake (4404), as an unknown task is,
+    instead of the router's "No route found" exception (a 500 in the server's log)."""
+
+    async def connect(self):
+        await self.close(code=4404)

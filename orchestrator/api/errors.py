@@ -7,6 +7,7 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError as Ninj
 
 from ..engine import inbox, services
 from ..engine.states import InvalidTransition
+from ..primitives.jsonlimits import TooDeep
 from review import services as review_services
 
 
@@ -72,7 +73,9 @@ def install(api: NinjaAPI) -> None:
     @api.exception_handler(HttpError)
     def on_http_error(request, exc: HttpError):
         detail = str(exc)
-        if exc.status_code == 400 and detail.startswith("Cannot parse request body"):
+        if exc.status_code == 400 and isinstance(exc.__cause__, TooDeep):
+            detail = f"Cannot read the request body: {exc.__cause__}."
+        elif exc.status_code == 400 and detail.startswith("Cannot parse request body"):
             detail = "Cannot parse the request body: send valid JSON with 'Content-Type: application/json'."
         return api.create_response(request, {"detail": detail, "errors": []}, status=exc.status_code)
 

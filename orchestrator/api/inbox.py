@@ -29,7 +29,7 @@ class EventIn(Schema):
     merge_key: str = Field("", max_length=200)
     occurred_at: datetime | None = None
 
-    @field_validator("priority")
+    @field_validator("priority", mode="before")  # before pydantic reads `true` as 1
     @classmethod
     def _priority(cls, value):
         try:

@@ -162,6 +162,8 @@ def parse_priority(value) -> int | None:
         return None
     if isinstance(value, str) and value.upper().startswith("P") and value[1:].isdigit():
         value = int(value[1:])
+    elif isinstance(value, str) and value.strip().isdigit():  # a form's select posts "1"
+        value = int(value.strip())
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 4:
         raise InboxRefused(422, f"priority must be 0-4 or P0-P4, got {value!r}", field="priority")
     return value

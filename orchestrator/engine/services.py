@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from django.db import transaction
 from django.utils import timezone
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..conf import harness
 from ..models import Step, StepStatus, Task, TaskStatus as S
@@ -19,12 +19,24 @@ from .checkpoint import plan_from, plan_rows, skip_steps
 log = logging.getLogger(__name__)
 
 
+MAX_TITLE_LENGTH = 200  # the column's length: a longer title is refused, not cut
+MAX_STEPS_CEILING = 10_000_000  # far above any real plan; a bigger number is a typo or an attack on the counters
+
+
 class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    max_steps: int | None = Field(None, ge=1)
+    max_steps: int | None = Field(None, ge=1, le=MAX_STEPS_CEILING)
     max_tokens: int | None = Field(None, ge=0)
     max_seconds: float | None = Field(None, gt=0)
     max_subtasks: int | None = Field(None, ge=1, le=64)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value):
+        # pydantic reads `true` as 1: a limit of "true" steps is a mistake, say so
+        if isinstance(value, bool):
+            raise ValueError("must be a number, not true/false")
+        return value
 
 
 @dataclass
@@ -69,8 +81,11 @@ def task_create(*, type: str, params: dict, limits: dict | None = None, title: s
                 ip: str | None = None) -> Task:
     clean_params = validate_params(type, params)
     clean_limits = validate_limits(limits)
+    if len(title) > MAX_TITLE_LENGTH:
+        raise InvalidInput([FieldError("title", f"at most {MAX_TITLE_LENGTH} characters (got {len(title)}): "
+                                                f"put the details in the params")])
     with transaction.atomic():
-        task = Task.objects.create(type=type, title=title[:200], params=clean_params, limits=clean_limits,
+        task = Task.objects.create(type=type, title=title, params=clean_params, limits=clean_limits,
                                    status=S.QUEUED, created_by=actor if getattr(actor, "is_authenticated", False) else None)
         append_event(task, "created", {"type": type, "params": clean_params})
         audit(action="task.create", actor=actor, ip=ip, task=task,

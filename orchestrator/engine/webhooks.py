@@ -10,7 +10,6 @@ source, which answers the same so as not to tell which names exist — is 401, a
 row, and no event.
 """
 import base64
-import json
 import logging
 import secrets as random_secrets
 
@@ -19,6 +18,7 @@ from django.utils import timezone
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from ..models import Task, WebhookSource
+from ..primitives import jsonlimits
 from . import inbox
 from .audit import audit
 
@@ -67,7 +67,9 @@ def receive(*, source_name: str, task_id: int, body: bytes, headers: dict, ip: s
         raise WebhookRejected(401, "The webhook signature does not verify for this source (or the timestamp is more "
                                    "than 300 s off): check the secret and the clock of the sender.")
     try:
-        event = json.loads(body)
+        event = jsonlimits.loads(body)
+    except jsonlimits.TooDeep as exc:
+        raise WebhookRejected(400, f"The body cannot be read: {exc}.") from None
     except ValueError:
         raise WebhookRejected(400, "The body is not JSON: send {\"type\": ..., \"payload\": {...}}.") from None
     if not isinstance(event, dict) or not isinstance(event.get("type"), str):

@@ -18,6 +18,7 @@ from .. import selectors
 from ..engine import inbox, services, states
 from ..models import Task, TaskStatus
 from ..presenters.task_page import task_page_context, with_type_titles
+from ..primitives import jsonlimits
 from .access import client_ip, get_task, require_operator, task_types, viewer_required
 from .forms import attach_errors, limit_fields, param_fields, read_form
 
@@ -167,7 +168,10 @@ def task_send_event(request, task_id: int):
     raw = request.POST.get("payload", "").strip()
     text = request.POST.get("text", "").strip()
     try:
-        payload = json.loads(raw) if raw else ({"text": text} if text else {})
+        payload = jsonlimits.loads(raw) if raw else ({"text": text} if text else {})
+    except jsonlimits.TooDeep as exc:
+        messages.error(request, f"Not sent: {exc}.")
+        return redirect(back)
     except json.JSONDecodeError as exc:
         messages.error(request, f"Not sent: the payload is not JSON ({exc.msg} at character {exc.pos}).")
         return redirect(back)
