@@ -10,3 +10,7 @@ class OrchestratorConfig(AppConfig):
         from . import telemetry
 
         telemetry.configure()  # traces only when OTEL_EXPORTER_OTLP_ENDPOINT or ORCH_OTEL_CONSOLE=1
+
+        from . import redaction_sources
+
+        redaction_sources.register()  # webhook secrets and API token hashes join the redacted secrets

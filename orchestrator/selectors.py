@@ -3,6 +3,7 @@ from django.db.models import Q, QuerySet
 
 from .engine import results, snapshots
 from .models import Task, TaskStatus
+from .primitives.redaction import redact
 
 PAGE_SIZE = 50
 
@@ -44,7 +45,9 @@ def task_detail(task_id: int) -> Task:
 
 
 def task_export(task_id: int) -> dict:
-    """The full context of a task, for a human to investigate (JSON-serialisable)."""
+    """The full context of a task, for a human to investigate (JSON-serialisable), with the
+    installation's secrets redacted (orchestrator/primitives/redaction.py): the export leaves
+    the installation, so it is redacted here, whoever asks for it."""
     from django.forms.models import model_to_dict
 
     from review.models import ReviewItem
@@ -60,7 +63,7 @@ def task_export(task_id: int) -> dict:
     if last_snapshot is not None:
         last_snapshot.state = snapshots.materialize(task.pk, last_snapshot.version)
         last_snapshot.full = True
-    return {
+    return redact({
         "task": model_to_dict(task) | {"id": task.pk, "created_at": task.created_at, "updated_at": task.updated_at},
         "steps": [model_to_dict(step) | {"id": step.pk, "result": results.result_of(step)}
                   for step in Step.objects.filter(task=task).order_by("position")],
@@ -74,4 +77,4 @@ def task_export(task_id: int) -> dict:
         # An agent's transcript: every message as stored (interrupted attempts and earlier
         # generations included, each marked), in dialog order.
         "transcript": rows(AgentMessage.objects.filter(task=task).order_by("turn", "order", "id")),
-    }
+    })

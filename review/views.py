@@ -4,6 +4,11 @@ reviewer decides what happened to a side effect whose outcome is unknown.
 Thin, like the task pages: reads through review.selectors, the decision goes through
 review.services.review_decide (which validates, applies and audits it). Every page needs a
 logged-in user with a role; only reviewers get (and may POST) the decision form.
+
+Secrets: _detail_context is the item page's redaction boundary (the queue shows no
+arguments or results): arguments, results, evidence, the proposal and the reasons are shown
+with the installation's secrets replaced by markers (orchestrator/primitives/redaction.py),
+to every role. What was approved is the stored arguments, not the page's redacted copy.
 """
 import json
 from urllib.parse import urlencode
@@ -17,6 +22,7 @@ from django.views.decorators.http import require_GET, require_http_methods
 from orchestrator import roles
 from orchestrator.engine.services import InvalidInput
 from orchestrator.models import Step
+from orchestrator.primitives.redaction import redact
 from orchestrator.web.access import client_ip, viewer_required
 
 from . import selectors, services
@@ -35,7 +41,7 @@ def require_reviewer(request) -> None:
 
 
 def _json(value) -> str:
-    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True, default=str)
+    return json.dumps(redact(value), indent=2, ensure_ascii=False, sort_keys=True, default=str)
 
 
 # --- the queue ----------------------------------------------------------------------------
@@ -92,12 +98,16 @@ def _empty_form() -> dict:
 
 def _detail_context(request, item: ReviewItem, form: dict) -> dict:
     entry = item.wal_entry
-    evidence = item.evidence if isinstance(item.evidence, dict) else None
+    for shown in (item, item.task) + ((entry,) if entry else ()):
+        for name in ("reason", "note", "status_reason", "title", "error"):
+            if isinstance(getattr(shown, name, None), str):
+                setattr(shown, name, redact(getattr(shown, name)))  # for display only, never saved
+    evidence = redact(item.evidence) if isinstance(item.evidence, dict) else None
     how_to_check = evidence.get("how_to_check") if evidence else None
     evidence_rest = {k: v for k, v in evidence.items() if k != "how_to_check"} if evidence else None
     others = list(ReviewItem.objects.filter(task_id=item.task_id).exclude(pk=item.pk)
                   .select_related("wal_entry", "decided_by").order_by("detected_at", "id")[:OTHER_ITEMS_SHOWN])
-    proposal = item.proposal or {}
+    proposal = redact(item.proposal or {})
     return {
         "item": item,
         "task": item.task,
@@ -108,7 +118,7 @@ def _detail_context(request, item: ReviewItem, form: dict) -> dict:
         "args_json": _json(entry.args if entry else proposal.get("arguments")),
         "wal_result_json": _json(entry.result) if entry and entry.result is not None else "",
         "how_to_check": how_to_check,
-        "evidence": evidence_rest if evidence is not None else item.evidence,
+        "evidence": evidence_rest if evidence is not None else redact(item.evidence),
         "evidence_json": _json(evidence_rest if evidence is not None else item.evidence),
         "decision_result_json": _json(item.decision_result) if item.decision_result is not None else "",
         "decision_label": Decision(item.decision).label if item.decision in Decision.values else item.decision,

@@ -1,8 +1,24 @@
 """Output mappers: one per resource, from a model to the schema the API answers with (the
-CLI's `tasks show --json` uses task_out too)."""
+CLI's `tasks show --json` uses task_out too), and the renderer every answer goes through.
+
+Secrets: RedactingRenderer is the API's one redaction boundary. Every JSON answer — step
+results, WAL arguments and results, events, the inbox, reviews, snapshots, the export — is
+passed through orchestrator/primitives/redaction.py's `redact` after the schemas have
+serialised it and before it is written, so no endpoint can forget it. Every role gets the
+same redacted answer."""
+from ninja.renderers import JSONRenderer
+
 from ..engine import actions as task_actions
 from ..models import Task
+from ..primitives.redaction import redact
 from .schemas import AuditOut, ReviewOut, StepOut, TaskOut, TaskSummaryOut, TaskTypeOut, WorkerOut
+
+
+class RedactingRenderer(JSONRenderer):
+    """django-ninja's JSON renderer, with the installation's secrets replaced by their markers."""
+
+    def render(self, request, data, *, response_status: int):
+        return super().render(request, redact(data), response_status=response_status)
 
 
 def task_type_out(task_type) -> TaskTypeOut:

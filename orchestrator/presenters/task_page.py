@@ -1,5 +1,12 @@
 """What the task page and the task list show: the context their templates render, for the
-first page (orchestrator/web/tasks.py) and for live updates (orchestrator/live.py) alike."""
+first page (orchestrator/web/tasks.py) and for live updates (orchestrator/live.py) alike.
+
+Secrets: this is the page's one redaction boundary (orchestrator/primitives/redaction.py).
+Everything the page shows that a task, a tool or a model wrote — params, step and WAL errors,
+WAL arguments, event payloads, the dialog and its tool calls, snapshot changes, the stack's
+reasons, audit reasons — is redacted here, on the objects the templates read (never saved).
+Every role sees the same redacted page: there is no view of the raw values outside the
+database and the Django admin."""
 import json
 from datetime import datetime, timezone as dt_timezone
 
@@ -9,6 +16,7 @@ from .. import roles
 from ..agent import history
 from ..engine import actions as task_actions, inbox, snapshots, states
 from ..models import Task
+from ..primitives.redaction import redact, redact_text
 from ..tasktypes import all_types
 from .snapshots import snapshot_history
 from .timeline import step_timeline
@@ -31,8 +39,17 @@ def json_text(value, indent=None) -> str:
 
 def with_payload_json(events):
     for event in events:
-        event.payload_json = json_text(event.payload)
+        event.payload_json = json_text(redact(event.payload))
     return events
+
+
+def redact_fields(obj, *names: str):
+    """`obj` with its attributes `names` redacted in place, for display only (never saved)."""
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, (str, dict, list, tuple)):
+            setattr(obj, name, redact(value))
+    return obj
 
 
 def type_title(task_type: str) -> str:
@@ -45,10 +62,13 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
     render; `user` decides the controls (engine/actions.py). Live refreshes skip the event
     rows (`with_events=False`): each event brings its own row."""
     now = page_clock()
-    steps = with_running(task, list(task.steps.all()[:STEP_ROWS_SHOWN]))
+    redact_fields(task, "title", "error", "status_reason", "activities", "stack", "waiting_for")
+    steps = [redact_fields(step, "title", "error")
+             for step in with_running(task, list(task.steps.all()[:STEP_ROWS_SHOWN]))]
     wal = list(task.wal_entries.order_by("-id")[:WAL_ROWS_SHOWN])
     for entry in wal:
-        entry.args_json = json_text(entry.args)
+        redact_fields(entry, "error")
+        entry.args_json = json_text(redact(entry.args))
     events = with_payload_json(list(task.events.order_by("-seq")[:EVENTS_SHOWN])) if with_events else []
     recoveries = [(e.created_at, f"recovery {e.payload.get('attempt', '')}".strip())
                   for e in task.events.filter(kind="recovery").order_by("seq")]
@@ -57,18 +77,20 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
     return {
         "task": task,
         "type_title": type_title(task.type),
-        "params_json": json_text(task.params, indent=2),
-        "limits": sorted(task.limits.items()) if isinstance(task.limits, dict) else [],
+        "params_json": json_text(redact(task.params), indent=2),
+        "limits": sorted(redact(task.limits).items()) if isinstance(task.limits, dict) else [],
         "heartbeat_age": heartbeat_age,
         "steps": steps,
         "steps_total": task.steps.count(),
         "timeline": step_timeline(steps, recoveries=recoveries, now=now),
         "wal": wal,
         "wal_total": task.wal_entries.count(),
-        "snapshots": snapshot_history(snapshots.history(task.pk, SNAPSHOTS_SHOWN)),
+        "snapshots": [{**row, "changes": redact(row["changes"]), "note": redact_text(row["note"])}
+                      for row in snapshot_history(snapshots.history(task.pk, SNAPSHOTS_SHOWN))],
         "events": events,
         "events_shown": EVENTS_SHOWN,
-        "audit": list(task.audit_entries.select_related("actor").all()[:AUDIT_SHOWN]),
+        "audit": [redact_fields(entry, "reason")
+                  for entry in task.audit_entries.select_related("actor").all()[:AUDIT_SHOWN]],
         "inbox": list(task.inbox.order_by("-seq")[:INBOX_SHOWN]),
         "stack_top_first": list(reversed(task.stack or [])),
         "conversation": conversation(task),
@@ -102,8 +124,8 @@ def conversation(task: Task) -> list[dict] | None:
     shown = []
     for row in rows:
         calls = [{**call, "step_status": steps.get(call.get("step", ""), ""), "wal_status": wal.get(call.get("step", ""), "")}
-                 for call in row.tool_calls]
-        content = row.content
+                 for call in redact(row.tool_calls)]
+        content = redact_text(row.content)
         shown.append({"role": row.role, "turn": row.turn, "name": row.name, "interrupted": row.interrupted,
                       "streaming": row.interrupted and not row.accounted and task.status == "running",
                       "content": content[:MESSAGE_SHOWN_CHARACTERS], "cut": len(content) > MESSAGE_SHOWN_CHARACTERS,
@@ -140,5 +162,6 @@ def with_type_titles(tasks: list[Task]) -> list[Task]:
     """The list page's rows: each task with its type's title (shown when it has none)."""
     types = all_types()
     for task in tasks:
+        redact_fields(task, "title")
         task.type_title = types[task.type].title if task.type in types else ""
     return tasks
