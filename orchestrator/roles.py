@@ -26,3 +26,8 @@ def user_roles(user) -> set[str]:
 
 def has_role(user, role: str) -> bool:
     return role in user_roles(user)
+
+
+def is_admin(user) -> bool:
+    """Admins (superusers) grant what reaches the host: host tools, waived approvals."""
+    return bool(getattr(user, "is_authenticated", False) and user.is_active and user.is_superuser)

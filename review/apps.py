@@ -6,11 +6,10 @@ class ReviewConfig(AppConfig):
     verbose_name = "Review queue"
 
     def ready(self):
-        from orchestrator.engine.approvals import approval_requested, approval_taken
+        from orchestrator.engine.approvals import approval_requested
         from orchestrator.engine.wal import effect_in_doubt
 
-        from .services import close_taken_approval, open_for_approval, open_for_effect_in_doubt
+        from .services import open_for_approval, open_for_effect_in_doubt
 
         effect_in_doubt.connect(open_for_effect_in_doubt, dispatch_uid="review.open_for_effect_in_doubt")
         approval_requested.connect(open_for_approval, dispatch_uid="review.open_for_approval")
-        approval_taken.connect(close_taken_approval, dispatch_uid="review.close_taken_approval")

@@ -10,7 +10,7 @@ import logging
 from django.db import transaction
 from django.utils import timezone
 
-from orchestrator.engine import inbox, scheduler, states
+from orchestrator.engine import approvals, inbox, scheduler, states
 from orchestrator.engine.audit import audit
 from orchestrator.engine.services import FieldError, InvalidInput
 from orchestrator.models import IdempotencyRecord, TaskStatus as S, WalEntry, WalStatus
@@ -62,28 +62,21 @@ def review_open(*, entry: WalEntry, reason: str, dead_worker: str = "", evidence
 
 
 def open_for_approval(sender, *, task_id: int, step_id: str, tool: str, arguments: dict, context: str = "",
-                      call_id: str = "", **kwargs) -> ReviewItem:
-    """The receiver of the engine's `approval_requested` signal: one approval item per step
-    (asked again after its decision, the decision stands: the step takes its event)."""
-    existing = ReviewItem.objects.filter(task_id=task_id, kind=ReviewKind.APPROVAL, step_id=step_id).first()
-    if existing is not None:
-        return existing
+                      call_id: str = "", arguments_sha256: str = "", reason: str = "", **kwargs) -> ReviewItem:
+    """The receiver of the engine's `approval_requested` signal: one approval item per step,
+    call and arguments (asked again, e.g. after a crash, the same item; its decision stands).
+    A step that runs again for another call (after an edit or a rollback) gets a new item."""
+    for existing in ReviewItem.objects.filter(task_id=task_id, kind=ReviewKind.APPROVAL, step_id=step_id):
+        proposal = existing.proposal or {}
+        if proposal.get("call_id") == call_id and proposal.get("arguments_sha256") == arguments_sha256:
+            return existing
     item = ReviewItem.objects.create(
         task_id=task_id, kind=ReviewKind.APPROVAL, step_id=step_id,
-        proposal={"tool": tool, "arguments": arguments, "call_id": call_id, "context": context[:20_000]},
-        reason=f"{tool} needs approval before it runs")
+        proposal={"tool": tool, "arguments": arguments, "call_id": call_id, "arguments_sha256": arguments_sha256,
+                  "context": context[:20_000]},
+        reason=f"{tool} needs approval before it runs" + (f": {reason}" if reason else ""))
     log.info("approval requested", extra={"task_id": task_id, "step_id": step_id})
     return item
-
-
-def close_taken_approval(sender, *, task_id: int, step_id: str, decision: dict, **kwargs) -> None:
-    """The step took a decision that did not come from the queue (another system sent
-    approval.decided): its item, if still open, is closed with it, so nobody decides twice."""
-    item = ReviewItem.objects.filter(task_id=task_id, kind=ReviewKind.APPROVAL, step_id=step_id,
-                                     status=ReviewStatus.OPEN).first()
-    if item is not None:
-        _close(item, Decision.APPROVE if decision.get("approved") else Decision.REJECT,
-               f"decided outside the review queue: {decision.get('note') or 'no note'}", None, None, timezone.now())
 
 
 def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=None, ip: str | None = None) -> ReviewItem:
@@ -144,7 +137,9 @@ def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=
 
 def _decide_approval(item_id: int, decision: str, note: str, arguments, actor, ip) -> ReviewItem:
     """Approve, edit-and-approve or reject a proposed tool call: the decision goes into the
-    task as an `approval.decided` event (it wakes the waiting step), audited."""
+    task as an `approval.decided` event naming this approval and bound to its call (the call
+    id, and the digest of the arguments it may run with), which wakes the waiting step; audited.
+    Deciding twice is refused (ReviewClosed): a decision is applied once."""
     with transaction.atomic():
         task = states.lock_task(ReviewItem.objects.values_list("task_id", flat=True).get(pk=item_id))
         item = ReviewItem.objects.select_for_update().get(pk=item_id)
@@ -153,11 +148,15 @@ def _decide_approval(item_id: int, decision: str, note: str, arguments, actor, i
                                f"{item.decided_by or 'someone'}; nothing was changed.")
         now = timezone.now()
         _close(item, decision, note, arguments if decision == Decision.EDIT_APPROVE else None, actor, now)
-        payload = {"approved": decision != Decision.REJECT, "approval_id": str(item.pk), "note": note.strip()[:2000]}
+        proposal = item.proposal or {}
+        runs_with = arguments if decision == Decision.EDIT_APPROVE else proposal.get("arguments")
+        payload = {"approved": decision != Decision.REJECT, "approval_id": str(item.pk),
+                   "call_id": proposal.get("call_id", ""), "note": note.strip()[:2000],
+                   "arguments_sha256": approvals.arguments_digest(runs_with) if decision != Decision.REJECT else ""}
         if decision == Decision.EDIT_APPROVE:
             payload["arguments"] = arguments
-        inbox.send(task_id=task.pk, type="approval.decided", payload=payload, source="system", actor=actor, ip=ip,
-                   source_event_id=f"review-{item.pk}")
+        inbox.send(task_id=task.pk, type="approval.decided", payload=payload, source=inbox.REVIEW_SOURCE,
+                   actor=actor, ip=ip, source_event_id=f"review-{item.pk}")
         audit(action="review.approval", actor=actor, ip=ip, task=task, reason=note,
               before={"proposal": item.proposal}, after={"review": item.pk, "decision": decision,
                                                          "arguments": arguments})

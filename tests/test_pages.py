@@ -470,4 +470,4 @@ def test_a_waiting_task_shows_what_it_waits_for_and_until_when(client, operator,
     client.force_login(operator)
     body = client.get(detail_url(task.pk)).content.decode()
     card = body.split('data-testid="waiting-card"', 1)[1].split("</div>\n  </div>", 1)[0]
-    assert "Waiting (no worker held)" in card and "approval.decided" in card and "until 20" in card
+    assert "Waiting (no worker held)" in card and "instruction" in card and "until 20" in card

@@ -4,20 +4,30 @@ the model as an error message, never a crash).
 
 Tools with a side effect run through the WAL (`ctx.effect`, with the call's idempotency
 key): `db_upsert`, `email_send`, `http_request`, `shell_run`, `memory_write`. The others only read:
-`contracts_list`, `contracts_read`, `db_query` (SELECT only, in a read-only transaction),
-`memory_search` (long-term memory, a store of its own: never copied into a snapshot).
+`contracts_list`, `contracts_read`, `db_query` (SELECT only, on the allowed tables, as a read-only
+role: tools/dbread.py), `memory_search` (long-term memory, a store of its own, scoped to the task's
+owner: never copied into a snapshot).
+
+Least privilege (README "Security model"): each tool declares its effect class and whether it
+reaches the host or the database. An agent created with only a goal gets SAFE_DEFAULT (read-only,
+nothing of the host); a side-effect tool must be named; a host tool must be enabled by the
+installation (ORCH_AGENT_HOST_TOOLS) and granted by an admin; a non-idempotent call waits for a
+reviewer unless an admin waived that for the task (`needs_approval`).
 
 Names use `_` because the Chat Completions protocol allows only [a-zA-Z0-9_-] in a
 function name.
 """
+import fnmatch
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from django.db import connection, transaction
+from django.conf import settings
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..models import AgentMemory
+from ..engine.wal import EffectFailed
+from ..models import AgentMemory, Task
+from ..primitives.redaction import redact
 from ..tools.base import ToolError
 from ..tasktypes.contract_extraction import MalformedContract, list_samples, read_contract
 
@@ -78,13 +88,25 @@ class ShellRunArgs(BaseModel):
     timeout: float = Field(60, gt=0, le=600)
 
 
+READ_ONLY, IDEMPOTENT, NON_IDEMPOTENT = "read_only", "idempotent", "non_idempotent"
+
+
 @dataclass(frozen=True)
 class AgentTool:
     name: str
     description: str
     Args: type[BaseModel]
     run: Callable[[Any, BaseModel], Any]  # (step context, validated args) -> JSON-serialisable result
-    side_effect: bool = False
+    # read_only: no WAL entry; idempotent: replay is safe; non_idempotent: needs a reviewer by
+    # default, and an unknown outcome goes to review. Missing means non_idempotent (fail closed).
+    effect: str = NON_IDEMPOTENT
+    # Reaches the worker's host or the harness's database: enabled per installation
+    # (ORCH_AGENT_HOST_TOOLS) and granted per task by an admin only.
+    reaches_host: bool = False
+
+    @property
+    def side_effect(self) -> bool:
+        return self.effect != READ_ONLY
 
     def schema(self) -> dict:
         """The tool as offered to the model (Chat Completions `tools` entry)."""
@@ -111,36 +133,32 @@ def _contracts_read(ctx, args: ContractsReadArgs):
 
 
 def _db_query(ctx, args: DbQueryArgs):
-    sql = args.sql.strip().rstrip(";")
-    if ";" in sql or not sql.split(None, 1)[0].upper() in ("SELECT", "WITH"):
-        raise ToolCallError("db_query runs one SELECT statement (no ';', nothing that writes)")
-    with transaction.atomic(), connection.cursor() as cursor:
-        # The database refuses any write, whatever the statement hides.
-        cursor.execute("SET TRANSACTION READ ONLY" if connection.vendor == "postgresql" else "PRAGMA query_only = ON")
-        try:
-            cursor.execute(sql)
-            columns = [c[0] for c in cursor.description or ()]
-            rows = cursor.fetchmany(QUERY_ROWS + 1)
-        except Exception as exc:  # the model's SQL: its error goes back to it
-            raise ToolCallError(f"the query failed: {exc}") from None
-        finally:
-            if connection.vendor != "postgresql":
-                cursor.execute("PRAGMA query_only = OFF")
-    return {"columns": columns, "rows": [list(r) for r in rows[:QUERY_ROWS]], "truncated": len(rows) > QUERY_ROWS}
+    # Only the allowed tables, as a read-only role (PostgreSQL) or under an authorizer (SQLite).
+    from ..tools.dbread import read_only_query  # TEMP until tools/dbread.py lands
+
+    return read_only_query(args.sql, max_rows=QUERY_ROWS)
+
+
+def memory_scope(task_id: int) -> str:
+    """Whose memory a task reads and writes: its owner's (tasks created by the installation
+    itself, from the command line, share one scope). One owner's agents never see another's."""
+    owner = Task.objects.filter(pk=task_id).values_list("created_by_id", flat=True).first()
+    return f"owner-{owner}/" if owner else "installation/"
 
 
 def _memory_search(ctx, args: MemorySearchArgs):
+    scope = memory_scope(ctx.task_id)
+    mine = AgentMemory.objects.filter(key__startswith=scope)
     words = [w for w in args.query.split() if len(w) > 2][:5] or [args.query]
     found = AgentMemory.objects.none()
     for word in words:
-        found = found | AgentMemory.objects.filter(key__icontains=word) | AgentMemory.objects.filter(
-            value__icontains=word)
-    return {"facts": [{"key": m.key, "value": m.value[:2000]} for m in found.distinct()[:20]]}
+        found = found | mine.filter(key__icontains=word) | mine.filter(value__icontains=word)
+    return {"facts": [{"key": m.key[len(scope):], "value": m.value[:2000]} for m in found.distinct()[:20]]}
 
 
 def _memory_write(ctx, args: MemoryWriteArgs):
     ctx.effect("db.upsert", {"table": "agent_memory", "columns": ["key", "value", "task_id"],
-                             "rows": [[args.key, args.body, ctx.task_id]]})
+                             "rows": [[memory_scope(ctx.task_id) + args.key, args.body, ctx.task_id]]})
     return {"stored": args.key}
 
 
@@ -149,7 +167,9 @@ def _email_send(ctx, args: EmailSendArgs):
 
 
 def _http_request(ctx, args: HttpRequestArgs):
-    call = {"method": args.method, "url": args.url}
+    # The egress policy (tools/egress.py): no loopback, private, link-local or metadata address
+    # unless ORCH_HTTP_ALLOW lists it; every redirect checked again; sizes and time capped.
+    call = {"method": args.method, "url": args.url, "egress": "policy"}
     if args.json_body is not None:
         call["json"] = args.json_body
     return ctx.effect("http.request", call)
@@ -160,27 +180,63 @@ def _db_upsert(ctx, args: DbUpsertArgs):
 
 
 def _shell_run(ctx, args: ShellRunArgs):
-    return ctx.effect("shell.run", {"argv": args.argv, "timeout": args.timeout})
+    # Always in the sandbox (tools/sandbox.py): no network, no project files, no environment.
+    return ctx.effect("shell.run", {"argv": args.argv, "timeout": args.timeout, "sandbox": True})
 
 
 TOOLS: dict[str, AgentTool] = {t.name: t for t in (
     AgentTool("contracts_list", "List the contracts there are to read (number and file name).", ContractsListArgs,
-              _contracts_list),
+              _contracts_list, effect=READ_ONLY),
     AgentTool("contracts_read", "Read one contract: its parties, dates (ISO) and money amounts.", ContractsReadArgs,
-              _contracts_read),
-    AgentTool("db_query", "Run one read-only SELECT on the database (at most 100 rows come back).", DbQueryArgs,
-              _db_query),
+              _contracts_read, effect=READ_ONLY),
+    AgentTool("db_query", "Run one read-only SELECT on the tables it may read (at most 100 rows come back).",
+              DbQueryArgs, _db_query, effect=READ_ONLY, reaches_host=True),
     AgentTool("memory_search", "Search the long-term memory (facts kept across tasks).", MemorySearchArgs,
-              _memory_search),
+              _memory_search, effect=READ_ONLY),
     AgentTool("memory_write", "Store a fact in the long-term memory, under a key.", MemoryWriteArgs, _memory_write,
-              side_effect=True),
+              effect=IDEMPOTENT),
     AgentTool("db_upsert", "Insert or update rows (by primary key) in one of the tables it may write.", DbUpsertArgs,
-              _db_upsert, side_effect=True),
-    AgentTool("email_send", "Send an email (it cannot be unsent).", EmailSendArgs, _email_send, side_effect=True),
-    AgentTool("http_request", "Make an HTTP request.", HttpRequestArgs, _http_request, side_effect=True),
-    AgentTool("shell_run", "Run a program (no shell) and return its exit code and output.", ShellRunArgs,
-              _shell_run, side_effect=True),
+              _db_upsert, effect=IDEMPOTENT, reaches_host=True),
+    AgentTool("email_send", "Send an email (it cannot be unsent).", EmailSendArgs, _email_send),
+    AgentTool("http_request", "Make an HTTP request to a public address.", HttpRequestArgs, _http_request),
+    AgentTool("shell_run", "Run a program (no shell) in a sandbox with no network, and return its exit code and "
+              "output.", ShellRunArgs, _shell_run, reaches_host=True),
 )}
+
+# What an agent created with only a goal may call: reads that reach neither the host nor the outside.
+SAFE_DEFAULT = [name for name, t in TOOLS.items() if t.effect == READ_ONLY and not t.reaches_host]
+HOST_TOOLS = [name for name, t in TOOLS.items() if t.reaches_host]
+SAFE_HTTP_METHODS = ("GET", "HEAD")
+
+
+def email_allowed(address: str) -> bool:
+    """Whether email_send may write to `address` without a reviewer: it matches
+    ORCH_AGENT_EMAIL_ALLOW (default: the domain of DEFAULT_FROM_EMAIL)."""
+    patterns = settings.ORCH_AGENT_EMAIL_ALLOW or [f"*@{settings.DEFAULT_FROM_EMAIL.rpartition('@')[2]}"]
+    return any(fnmatch.fnmatchcase(address.strip().lower(), p.strip().lower()) for p in patterns)
+
+
+def needs_approval(name: str, arguments: dict | None, *, require: list[str], waived: list[str]) -> str:
+    """Why this call must wait for a reviewer ("" when it need not). `require`: the task's
+    require_approval; `waived`: tools whose approval an admin waived for the task. An email to a
+    recipient outside ORCH_AGENT_EMAIL_ALLOW needs a reviewer even then."""
+    tool = TOOLS.get(name)
+    if tool is None or arguments is None:
+        return ""  # not a call that can run: its error goes back to the model
+    if name in require:
+        return f"{name} is in the task's require_approval"
+    if name == "email_send":
+        outside = [a for a in arguments.get("to") or [] if isinstance(a, str) and not email_allowed(a)]
+        if outside:
+            return f"email to {', '.join(outside[:5])}: outside ORCH_AGENT_EMAIL_ALLOW"
+    if name in waived:
+        return ""
+    if name == "http_request":
+        method = str(arguments.get("method", "GET")).upper()
+        return "" if method in SAFE_HTTP_METHODS else f"http_request {method} writes"
+    if tool.effect == NON_IDEMPOTENT:
+        return f"{name} is not idempotent (it cannot be undone or safely repeated)"
+    return ""
 
 
 class ToolCallError(Exception):
@@ -204,9 +260,13 @@ def call(ctx, name: str, raw_arguments: str, allowed: list[str]) -> tuple[bool, 
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()[:5])
         return False, f"error: invalid arguments for {name}: {problems}"
     try:
-        return True, tool.run(ctx, args)
+        return True, redact(tool.run(ctx, args))
     except (ToolCallError, ToolError) as exc:  # refused before anything was performed
-        return False, f"error: {exc}"
+        return False, redact(f"error: {exc}")
+    except EffectFailed as exc:
+        # The tool reported a failure (an error status, a refusal, a non-zero exit): the model
+        # reads it and decides, as it would a refusal; the task does not stop for it.
+        return False, redact(f"error: {exc}")
 
 
 def as_message_text(result: Any) -> str:

@@ -449,12 +449,19 @@ def _commit_statements_sqlite(lease, plan, commit, encoded_result, now) -> dict 
     return row
 
 
+class EventTakenAlready(Exception):
+    """A step's wait took an event another step consumed first."""
+
+
 def _settle_wait(task_id: int, commit: StepCommit, version: int) -> None:
     """The events the step's wait took are consumed, and its wait is over (in the commit)."""
     now = timezone.now()
     for event_id, outcome in commit.consumed.items():
-        InboundEvent.objects.filter(pk=event_id, state=InboundState.PENDING).update(
-            state=InboundState.CONSUMED, outcome=outcome, consumed_at=now, consumed_in_version=version)
+        # Compare-and-set: an event is consumed once. If another step took it first, this
+        # step's result rests on a decision that was not its own: the commit is refused.
+        if not InboundEvent.objects.filter(pk=event_id, state=InboundState.PENDING).update(
+                state=InboundState.CONSUMED, outcome=outcome, consumed_at=now, consumed_in_version=version):
+            raise EventTakenAlready(f"inbox event {event_id} was consumed already; step {commit.step_id} runs again")
     task = Task.objects.get(pk=task_id)
     waits = [w for w in task.waiting_for if w.get("step") != commit.step_id]
     deadlines = [w["until"] for w in waits if w.get("until")]

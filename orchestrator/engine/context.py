@@ -108,14 +108,15 @@ class StepContext:
                            args=args, token=self.token, completed=self.completed_effects,
                            generation=self.generation)
 
-    def wait_for(self, event_type: str, *, timeout: float | None = None) -> dict:
+    def wait_for(self, event_type: str, *, timeout: float | None = None, match: dict | None = None) -> dict:
         """The payload of the next `event_type` event sent into the task (see the type's
         `awaited_event_types`). If it already arrived, at once; otherwise the task waits in
         `waiting`, holding no worker, and this step runs again when it comes (its code up to
         here should be pure or through ctx.effect). `timeout` (seconds, from the first wait,
-        kept across restarts): then WaitTimedOut is raised instead."""
+        kept across restarts): then WaitTimedOut is raised instead. `match`: only an event whose
+        payload holds these values (e.g. the decision of this step's own approval)."""
         self.token.raise_if_cancelled()
-        event = inbox.awaited_arrived(self.task_id, event_type)
+        event = inbox.awaited_arrived(self.task_id, event_type, match=match)
         if event is not None and event.pk not in self.consumed_events:
             self.consumed_events[event.pk] = f"received by the wait of step {self.step_id}"
             return event.payload
@@ -126,16 +127,17 @@ class StepContext:
             raise WaitTimedOut(f"no {event_type} event came before {until.isoformat()}")
         raise WaitForEvent(event_type, until)
 
-    def request_approval(self, tool: str, arguments: dict, *, context: str = "", call_id: str = "") -> dict:
+    def request_approval(self, tool: str, arguments: dict, *, context: str = "", call_id: str = "",
+                         reason: str = "") -> dict:
         """Have a reviewer approve `tool(arguments)` before it runs: opens an approval item in
-        the review queue (once) and waits for the decision — the task waits holding no worker
-        (like wait_for). Returns the decision: {"approved", "note", "arguments"?, "approval_id"}
-        (`arguments`: the reviewer's corrected ones, for edit-and-approve)."""
-        approvals.request(task_id=self.task_id, step_id=self.step_id, tool=tool, arguments=arguments,
-                          context=context, call_id=call_id)
-        decision = self.wait_for("approval.decided")
-        approvals.taken(task_id=self.task_id, step_id=self.step_id, decision=decision)
-        return decision
+        the review queue (once per call and arguments) and waits for *its* decision — the task
+        waits holding no worker (like wait_for). Returns the decision: {"approved", "note",
+        "arguments", "approval_id"}: `arguments` are what the call may run with (the reviewer's
+        corrected ones for edit-and-approve), checked against the digest the reviewer approved."""
+        approval_id = approvals.request(task_id=self.task_id, step_id=self.step_id, tool=tool, arguments=arguments,
+                                        context=context, call_id=call_id, reason=reason)
+        decision = self.wait_for("approval.decided", match={"approval_id": str(approval_id)})
+        return approvals.bound(decision, approval_id=approval_id, call_id=call_id, arguments=arguments)
 
     def add_steps(self, *specs) -> None:
         """Grow the plan: `specs` (StepSpec) join the task when this step commits. They may

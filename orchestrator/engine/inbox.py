@@ -71,9 +71,13 @@ class UserMessage(BaseModel):
 
 
 class ApprovalDecided(BaseModel):
+    """A reviewer's decision on one approval (sent by the review queue only: REVIEW_ONLY)."""
     model_config = ConfigDict(extra="forbid")
     approved: bool
-    approval_id: str = ""
+    approval_id: str = Field(..., min_length=1, max_length=40, description="the approval (review item) it decides")
+    call_id: str = Field("", max_length=200, description="the tool call the approval is bound to")
+    arguments_sha256: str = Field("", max_length=64,
+                                  description="SHA-256 of the canonical arguments the call may run with")
     note: str = Field("", max_length=2000)
     arguments: dict | None = Field(None, description="edit-and-approve: the corrected arguments the call runs with")
 
@@ -119,6 +123,10 @@ class EventType:
 
 
 OPERATORS_ONLY = {"operator": 0, "system": 0}
+# Approvals are decided in the review queue, nowhere else: an operator, a webhook or another
+# system posting approval.decided would approve a call no reviewer saw (refused, audited).
+REVIEW_SOURCE = "review"
+REVIEW_ONLY = {REVIEW_SOURCE: 1}
 CONTROL_TYPES = ("pause", "stop", "terminate", "resume")
 MAX_STACK_DEPTH = 4  # frames on a task stack (engine/preemption.py)
 
@@ -136,7 +144,8 @@ REGISTRY: dict[str, EventType] = {t.name: t for t in (
               description="an urgent subtask finished and its frame was popped (written by the engine)"),
     EventType("user.message", 1, UserMessage, description="a message to a running agent"),
     EventType("instruction", 1, AnyPayload, description="a task-type specific instruction"),
-    EventType("approval.decided", 1, ApprovalDecided, description="an approval decided in another system"),
+    EventType("approval.decided", 1, ApprovalDecided, REVIEW_ONLY,
+              description="a reviewer's decision on an approval (from the review queue only)"),
     EventType("upstream.ready", 3, UpstreamReady, mergeable=True, description="upstream data is ready"),
     EventType("progress.external", 4, ProgressExternal, mergeable=True, description="progress reported from outside"),
 )}
@@ -231,6 +240,22 @@ def send(*, task_id: int, type: str, payload: dict | None = None, priority=None,
          actor=None, ip: str | None = None, source_event_id: str = "", merge_key: str = "",
          occurred_at: datetime | None = None) -> Sent:
     """Put an event in a task's inbox (committed when this returns). Raises InboxRefused."""
+    try:
+        return _send(task_id=task_id, type=type, payload=payload, priority=priority, source=source, actor=actor,
+                     ip=ip, source_event_id=source_event_id, merge_key=merge_key, occurred_at=occurred_at)
+    except InboxRefused as exc:
+        if type == "approval.decided" and source_kind(source) != REVIEW_SOURCE:
+            # A forged approval: recorded (after the refused transaction rolled back).
+            task = Task.objects.filter(pk=task_id).first()
+            if task is not None:
+                audit(action="approval.forged", actor=actor, ip=ip, task=task, reason=str(exc)[:500],
+                      after={"source": source[:200], "payload": json.dumps(payload, default=str)[:500]})
+            log.warning("forged approval refused", extra={"task_id": task_id})
+        raise
+
+
+def _send(*, task_id: int, type: str, payload: dict | None, priority, source: str, actor, ip: str | None,
+          source_event_id: str, merge_key: str, occurred_at: datetime | None) -> Sent:
     source_event_id = (source_event_id or "").strip()[:200]
     with transaction.atomic():
         task = states.lock_task(task_id)
@@ -424,10 +449,15 @@ def next_visible(task_id: int, awaited: tuple[str, ...] = ()) -> datetime | None
             .order_by("visible_at").values_list("visible_at", flat=True).first())
 
 
-def awaited_arrived(task_id: int, event_type: str, now: datetime | None = None) -> InboundEvent | None:
-    """The oldest visible pending event of `event_type` (what a waiting step takes)."""
-    return (InboundEvent.objects.filter(task_id=task_id, type=event_type, state=InboundState.PENDING,
-                                        visible_at__lte=now or timezone.now()).order_by("seq").first())
+def awaited_arrived(task_id: int, event_type: str, now: datetime | None = None,
+                    match: dict | None = None) -> InboundEvent | None:
+    """The oldest visible pending event of `event_type` (what a waiting step takes); with
+    `match`, only one whose payload holds those values (a step takes only its own decision)."""
+    events = InboundEvent.objects.filter(task_id=task_id, type=event_type, state=InboundState.PENDING,
+                                         visible_at__lte=now or timezone.now())
+    for key, value in (match or {}).items():
+        events = events.filter(**{f"payload__{key}": value})
+    return events.order_by("seq").first()
 
 
 def apply(task_type, event: InboundEvent, now: datetime) -> Applied:

@@ -29,7 +29,7 @@ from .checkpoint import snapshot_now, step_row
 from .events import append_event
 from .inbox import INBOX_ADDER
 from .audit import audit
-from .services import FieldError, InvalidInput, validate_limits, validate_params
+from .services import FieldError, InvalidInput, authorize_params, validate_limits, validate_params
 
 
 class StalePreview(states.InvalidTransition):
@@ -212,6 +212,9 @@ def apply_edit(*, task_id: int, new_params: dict, expected_version: int | None, 
         task = states.lock_task(task_id)
         preview, new_specs = preview_edit(task, new_params, actor)
         _check_fresh(task, expected_version)
+        # An edit cannot grant what its author could not grant at creation (a tool that
+        # reaches the host, a waived approval); what the task held already stays.
+        granted = authorize_params(task.type, new_params, actor=actor, before=task.params)
         _confirm_repeats(task, preview, repeat_effects, actor=actor, ip=ip)
         before = {"params": task.params, "limits": task.limits, "checkpoint_version": task.checkpoint_version}
         task.params = new_params
@@ -224,6 +227,9 @@ def apply_edit(*, task_id: int, new_params: dict, expected_version: int | None, 
                           actor=actor, ip=ip, extra={"diff": preview.param_diff})
         audit(action="task.edit_params", actor=actor, ip=ip, task=task, before=before,
               after={"params": new_params, "limits": task.limits, "preview": preview.as_dict()})
+        if granted and granted != {k: v for k, v in get_type(task.type).grants(before["params"]).items() if v}:
+            audit(action="task.grant", actor=actor, ip=ip, task=task, reason="granted by a parameter edit",
+                  after=granted)
         scheduler.enqueue(task.pk)
     return preview
 

@@ -69,6 +69,16 @@ def validate_params(type_name: str, params: dict) -> dict:
         raise InvalidInput(_field_errors(exc, "params")) from None
 
 
+def authorize_params(type_name: str, params: dict, *, actor, before: dict | None = None) -> dict:
+    """Refuse params `actor` may not give (InvalidInput, each refusal on its field); returns the
+    grants they hold beyond the type's safe defaults, for the audit log."""
+    task_type = get_type(type_name)
+    problems = task_type.authorize(params, actor=actor, before=before)
+    if problems:
+        raise InvalidInput([FieldError(field, message) for field, message in problems])
+    return {k: v for k, v in task_type.grants(params).items() if v}
+
+
 def validate_limits(limits: dict | None) -> dict:
     try:
         given = Limits.model_validate(limits or {}).model_dump(exclude_none=True)
@@ -84,12 +94,16 @@ def task_create(*, type: str, params: dict, limits: dict | None = None, title: s
     if len(title) > MAX_TITLE_LENGTH:
         raise InvalidInput([FieldError("title", f"at most {MAX_TITLE_LENGTH} characters (got {len(title)}): "
                                                 f"put the details in the params")])
+    granted = authorize_params(type, clean_params, actor=actor)
     with transaction.atomic():
         task = Task.objects.create(type=type, title=title, params=clean_params, limits=clean_limits,
                                    status=S.QUEUED, created_by=actor if getattr(actor, "is_authenticated", False) else None)
         append_event(task, "created", {"type": type, "params": clean_params})
         audit(action="task.create", actor=actor, ip=ip, task=task,
               after={"type": type, "params": clean_params, "limits": clean_limits})
+        if granted:
+            audit(action="task.grant", actor=actor, ip=ip, task=task, reason="granted beyond the safe defaults",
+                  after=granted)
         scheduler.enqueue(task.pk)
     log.info("task created", extra={"task_id": task.pk})
     return task

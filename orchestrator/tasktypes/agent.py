@@ -43,21 +43,29 @@ class AgentParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     goal: str = Field(..., min_length=1, max_length=20_000, description="What the agent should do")
     model: str = Field("", max_length=200, description="The model's name (empty: LLM_MODEL)")
-    tools: list[str] = Field(default_factory=lambda: list(toolbox.TOOLS), description="The tools it may call")
+    tools: list[str] = Field(default_factory=lambda: list(toolbox.SAFE_DEFAULT),
+                             description="The tools it may call (default: the read-only ones that reach neither the "
+                                         "host nor the outside; side-effect tools must be named; shell_run, db_query "
+                                         "and db_upsert need ORCH_AGENT_HOST_TOOLS and an admin)")
     system_prompt: str = Field("", max_length=20_000, description="Empty: the default prompt")
     max_turns: int = Field(30, ge=1, le=1000, description="Model calls at most (then the task pauses)")
     temperature: float | None = Field(None, ge=0, le=2)
     max_tokens_per_call: int = Field(2000, ge=16, le=100_000, description="Completion tokens per call at most")
     require_approval: list[str] = Field(default_factory=list,
-                                        description="Tools whose calls wait for a reviewer's approval first")
+                                        description="Tools whose calls wait for a reviewer's approval first (besides "
+                                                    "the non-idempotent ones, which always do unless waived)")
+    approval_waived: list[str] = Field(default_factory=list,
+                                       description="Non-idempotent tools whose calls run without a reviewer (an "
+                                                   "admin's decision, audited; emails outside "
+                                                   "ORCH_AGENT_EMAIL_ALLOW still wait)")
 
-    @field_validator("tools", "require_approval")
+    @field_validator("tools", "require_approval", "approval_waived")
     @classmethod
     def _known_tools(cls, names: list[str]) -> list[str]:
         unknown = [n for n in names if n not in toolbox.TOOLS]
         if unknown:
             raise ValueError(f"unknown tools {unknown}; the tools are: {', '.join(toolbox.TOOLS)}")
-        return names
+        return list(dict.fromkeys(names))
 
 
 def turn_id(turn: int) -> str:
@@ -69,6 +77,46 @@ def tool_step_id(turn: int, index: int) -> str:
 
 
 TURN_READS = ("goal", "model", "tools", "system_prompt", "temperature", "max_tokens_per_call", "max_turns")
+
+
+def grants(params: dict) -> dict:
+    """What `params` grant beyond the safe default: the tools that reach the host or the
+    database, and the approvals waived (both an admin's to give)."""
+    return {"host_tools": [t for t in params.get("tools", ()) if t in toolbox.HOST_TOOLS],
+            "approval_waived": [t for t in params.get("approval_waived", ())]}
+
+
+def authorize(params: dict, *, actor, before: dict | None = None) -> list[tuple[str, str]]:
+    """Who may start (or edit) an agent with these params: (field, message) for each refusal.
+    Host tools must be enabled by the installation (ORCH_AGENT_HOST_TOOLS) and granted by an
+    admin; waiving approval is an admin's too. `actor` None is the installation itself (the
+    command line, code): it may grant what the installation enables. What an edit keeps from
+    `before` is not granted again."""
+    from django.conf import settings
+
+    from ..roles import is_admin
+
+    asked, had = grants(params), grants(before or {})
+    problems = []
+    disabled = [t for t in asked["host_tools"] if t not in settings.ORCH_AGENT_HOST_TOOLS]
+    if disabled:
+        problems.append(("params.tools", f"{', '.join(disabled)} reach the worker's host or the database and are not "
+                                         f"enabled on this installation (ORCH_AGENT_HOST_TOOLS); ask its "
+                                         f"administrator"))
+    new_host = [t for t in asked["host_tools"] if t not in had["host_tools"]]
+    new_waived = [t for t in asked["approval_waived"] if t not in had["approval_waived"]]
+    if actor is not None and not is_admin(actor):
+        if new_host:
+            problems.append(("params.tools", f"only an admin may grant {', '.join(new_host)} (they reach the "
+                                             f"worker's host or the database); operators may start agents with the "
+                                             f"other tools"))
+        if new_waived:
+            problems.append(("params.approval_waived", f"only an admin may waive approval of "
+                                                       f"{', '.join(new_waived)}"))
+    not_offered = [t for t in asked["approval_waived"] if t not in params.get("tools", ())]
+    if not_offered:
+        problems.append(("params.approval_waived", f"{', '.join(not_offered)} not in tools"))
+    return problems
 
 
 @register
@@ -84,6 +132,12 @@ class PlanExecuteAgent(TaskType):
 
     def plan(self, params: AgentParams) -> list[StepSpec]:
         return [StepSpec(turn_id(1), title="Turn 1: plan", reads=TURN_READS)]
+
+    def authorize(self, params: dict, *, actor, before: dict | None = None) -> list[tuple[str, str]]:
+        return authorize(params, actor=actor, before=before)
+
+    def grants(self, params: dict) -> dict:
+        return grants(params)
 
     def handle_event(self, event):
         from ..engine.inbox import Applied
@@ -195,20 +249,24 @@ class PlanExecuteAgent(TaskType):
     def _tool_call(self, ctx, turn: int, index: int):
         call = ctx.deps[turn_id(turn)]["tool_calls"][index - 1]
         started = WalEntry.objects.filter(task_id=ctx.task_id, step_id=ctx.step_id).exists()
+        arguments = _as_object(call["arguments"])
+        p = ctx.params
+        gate = (toolbox.needs_approval(call["name"], arguments, require=p.require_approval, waived=p.approval_waived)
+                if call["name"] in p.tools else "")
         if not started and history.superseded(ctx.task_id, turn):
             ok, result = False, "skipped: superseded by a new user message"
-        elif call["name"] in ctx.params.require_approval and _as_object(call["arguments"]) is not None:
+        elif gate:
             # A reviewer decides in the review queue; the task waits holding no worker. (After a
             # crash the step asks again: the same item, and its decision event is still pending.)
-            decision = ctx.request_approval(call["name"], _as_object(call["arguments"]), call_id=call["id"],
+            # The decision is this call's own, bound to its id and arguments (engine/approvals.py).
+            decision = ctx.request_approval(call["name"], arguments, call_id=call["id"], reason=gate,
                                             context=ctx.deps[turn_id(turn)].get("content") or "")
             if decision.get("approved"):
-                arguments = json.dumps(decision["arguments"]) if decision.get("arguments") else call["arguments"]
-                ok, result = toolbox.call(ctx, call["name"], arguments, ctx.params.tools)
+                ok, result = toolbox.call(ctx, call["name"], json.dumps(decision["arguments"]), p.tools)
             else:
                 ok, result = False, f"rejected by the reviewer: {decision.get('note') or 'no reason given'}"
         else:
-            ok, result = toolbox.call(ctx, call["name"], call["arguments"], ctx.params.tools)
+            ok, result = toolbox.call(ctx, call["name"], call["arguments"], p.tools)
         text = toolbox.as_message_text(result)
         AgentMessage.objects.update_or_create(task_id=ctx.task_id, key=f"{ctx.step_id}:g{ctx.generation}", defaults={
             "turn": turn, "order": index, "role": AgentMessage.Role.TOOL, "content": text,

@@ -66,6 +66,15 @@ class TaskType:
         in the consumption's checkpoint."""
         raise NotImplementedError(f"{self.name} lists event types but does not handle them")
 
+    def authorize(self, params: dict, *, actor, before: dict | None = None) -> list[tuple[str, str]]:
+        """Refusals (field, message) when `actor` may not start a task with `params` (validated),
+        or edit `before` into them: the place for grants only some roles may give."""
+        return []
+
+    def grants(self, params: dict) -> dict:
+        """What `params` grant beyond the type's safe defaults (recorded in the audit log)."""
+        return {}
+
     # Urgent subtasks a `preempt` event may name (engine/preemption.py): name -> what it does.
     subtasks: ClassVar[dict[str, str]] = {}
 

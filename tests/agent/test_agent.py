@@ -13,10 +13,16 @@ from orchestrator.engine import inbox, services
 from orchestrator.engine.worker import drive_inline
 from orchestrator.llm.standin import StandinServer
 from orchestrator.models import AgentMessage, Step, Task, TaskEvent, WalEntry
+from review.models import ReviewItem
+from review.services import review_decide
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 GOAL = "Parse the 5 contracts and email a summary to ops@example.org"
+# What the contracts goal needs: the safe default has no email_send (a side effect must be named),
+# and its approval is waived here (the installation itself creates these tasks: actor None).
+EMAILS = {"tools": ["contracts_list", "contracts_read", "memory_search", "email_send"],
+          "approval_waived": ["email_send"]}
 
 
 @pytest.fixture
@@ -25,11 +31,12 @@ def model(settings):
     with StandinServer(token_seconds=0.0005) as server:
         settings.LLM_BASE_URL, settings.LLM_API_KEY, settings.LLM_MODEL = server.base_url, "standin", "standin-planner"
         settings.LLM_MAX_ATTEMPTS = 3
+        settings.ORCH_AGENT_EMAIL_ALLOW = ["*@example.org"]
         yield server
 
 
 def agent(goal: str = GOAL, **params) -> Task:
-    return services.task_create(type="agent.plan_execute", params={"goal": goal, **params})
+    return services.task_create(type="agent.plan_execute", params={"goal": goal, **EMAILS, **params})
 
 
 def assert_every_tool_call_answered(messages: list[dict]) -> None:
@@ -101,7 +108,7 @@ def test_a_user_message_sent_mid_run_reaches_the_next_request(model, smtp):
 
 
 def test_running_out_of_tokens_pauses_with_the_scene_kept_and_resumes_after_raising_it(model, smtp):
-    task = services.task_create(type="agent.plan_execute", params={"goal": GOAL}, limits={"max_tokens": 1200})
+    task = services.task_create(type="agent.plan_execute", params={"goal": GOAL, **EMAILS}, limits={"max_tokens": 1200})
     assert drive_inline(task.pk) == "paused"
     task = Task.objects.get(pk=task.pk)
     assert task.paused_by_limit == "max_tokens" and task.status_reason == "limit: max_tokens"
@@ -132,7 +139,8 @@ def test_a_call_that_needs_approval_waits_without_a_worker_and_runs_or_returns_t
     task = Task.objects.get(pk=task.pk)
     assert task.lease_owner == "" and task.waiting_for[0]["type"] == "approval.decided"
     assert not smtp.received
-    inbox.send(task_id=task.pk, type="approval.decided", payload={"approved": approved, "note": "not this week"})
+    [item] = ReviewItem.objects.filter(task=task)
+    review_decide(item_id=item.pk, decision="approve" if approved else "reject", note="not this week")
     assert drive_inline(task.pk) == "completed"
     answer = AgentMessage.objects.get(task=task, role="tool", name="email_send").content
     if approved:
@@ -150,7 +158,8 @@ def test_the_20_contracts_goal_reads_all_20_totals_them_right_and_sends_one_emai
     assert drive_inline(task.pk) == "waiting"  # the email waits for its approval, holding no worker
     reads = Step.objects.filter(task=task, step_id__startswith="tool-", result__name="contracts_read")
     assert reads.count() == 20 and not smtp.received
-    inbox.send(task_id=task.pk, type="approval.decided", payload={"approved": True, "note": "looks right"})
+    [item] = ReviewItem.objects.filter(task=task)
+    review_decide(item_id=item.pk, decision="approve", note="looks right")
     assert drive_inline(task.pk) == "completed"
     [mail] = smtp.received
     # The totals the email states are the sums of every amount in the 20 contracts.
@@ -183,7 +192,7 @@ def test_a_user_message_supersedes_the_calls_of_the_last_turn_that_had_not_start
         return real_call(ctx, name, arguments, allowed)
 
     monkeypatch.setattr(toolbox, "call", call)
-    task = services.task_create(type="agent.plan_execute", params={"goal": GOAL}, limits={"max_subtasks": 1})
+    task = services.task_create(type="agent.plan_execute", params={"goal": GOAL, **EMAILS}, limits={"max_subtasks": 1})
     assert drive_inline(task.pk) == "completed"
     answers = list(AgentMessage.objects.filter(task=task, role="tool", name="contracts_read", turn=2)
                    .order_by("order").values_list("content", flat=True))
@@ -201,7 +210,7 @@ def test_editing_the_goal_of_a_paused_agent_previews_every_turn_again_and_the_ne
         model, smtp):
     from orchestrator.engine import revisions
 
-    task = services.task_create(type="agent.plan_execute", params={"goal": GOAL}, limits={"max_tokens": 1200})
+    task = services.task_create(type="agent.plan_execute", params={"goal": GOAL, **EMAILS}, limits={"max_tokens": 1200})
     assert drive_inline(task.pk) == "paused"
     task = Task.objects.get(pk=task.pk)
     new_goal = "Parse the 2 contracts and email a summary to ops@example.org"
@@ -242,14 +251,18 @@ def test_a_reviewer_edits_and_approves_the_email_in_the_review_queue_and_the_cal
     assert entry.args["to"] == ["finance@example.org"] and entry.status == "done"
 
 
-def test_a_decision_sent_by_another_system_closes_the_open_approval_item(model, smtp):
-    from review.models import ReviewItem
+def test_a_decision_sent_by_another_system_is_refused_audited_and_the_call_keeps_waiting(model, smtp):
+    from orchestrator.models import AuditEntry
 
     task = agent(require_approval=["email_send"])
     assert drive_inline(task.pk) == "waiting"
-    inbox.send(task_id=task.pk, type="approval.decided", payload={"approved": False, "note": "not today"},
-               source="system")
-    assert drive_inline(task.pk) == "completed"
-    item = ReviewItem.objects.get(task=task)
-    assert (item.status, item.decision) == ("decided", "reject")
-    assert item.note == "decided outside the review queue: not today"
+    [item] = ReviewItem.objects.filter(task=task)
+    for source in ("system", "operator", "webhook:crm"):
+        with pytest.raises(inbox.InboxRefused) as refused:
+            inbox.send(task_id=task.pk, type="approval.decided", source=source,
+                       payload={"approved": True, "approval_id": str(item.pk), "note": "forged"})
+        assert refused.value.status == 403
+    assert AuditEntry.objects.filter(task=task, action="approval.forged").count() == 3
+    assert Task.objects.get(pk=task.pk).status == "waiting" and not smtp.received
+    item.refresh_from_db()
+    assert item.status == "open"

@@ -65,9 +65,11 @@ def test_kill_9_after_the_email_went_out_goes_to_review_and_exactly_one_email_is
     # The first side effect of this goal is the email (reading contracts is not one): the
     # executor is killed right after the SMTP server took it, before the WAL knew.
     start_workers(1, **model_env(model), EMAIL_HOST="127.0.0.1", EMAIL_PORT=smtp_server.port,
-                  ORCH_FAULTS="after_effect:kill-once", ORCH_VAR_DIR=tmp_path)
+                  ORCH_FAULTS="after_effect:kill-once", ORCH_VAR_DIR=tmp_path, ORCH_AGENT_EMAIL_ALLOW="*@example.org")
     task = services.task_create(type="agent.plan_execute",
-                                params={"goal": "Parse the 3 contracts and email a summary to ops@example.org"})
+                                params={"goal": "Parse the 3 contracts and email a summary to ops@example.org",
+                                        "tools": ["contracts_list", "contracts_read", "email_send"],
+                                        "approval_waived": ["email_send"]})
     task = settle(task.pk, timeout=90)
     assert (tmp_path / "faults" / "after_effect").exists(), "the crash did not happen"
     assert task.status == "awaiting_review", task.status_reason
@@ -123,7 +125,7 @@ def test_kill_9_during_an_idempotent_tool_call_replays_it_with_its_key(model, st
     assert task.recovery_attempts == 1
     [entry] = WalEntry.objects.filter(task=task, tool="db.upsert")
     assert entry.status == "done" and entry.idempotency_key.startswith(f"t{task.pk}:tool-")
-    memory = AgentMemory.objects.get(key="contracts summary")
+    memory = AgentMemory.objects.get(key="installation/contracts summary")  # the scope of tasks made by code
     assert memory.task_id == task.pk and "contract" in memory.value.lower()
 
 

@@ -256,7 +256,7 @@ def test_two_workers_run_new_work_while_ten_tasks_wait_and_all_ten_resume_on_the
     assert Task.objects.filter(pk__in=waiting, status="waiting").count() == 10
 
     answers = all_at_once([lambda task_id=task_id: api.send_event(task_id, {
-        "type": "approval.decided", "payload": {"approved": True, "note": f"ok {task_id}"},
+        "type": "instruction", "payload": {"approved": True, "note": f"ok {task_id}"},
         "source_event_id": f"decision-{task_id}"}) for task_id in waiting])
     assert [a.status_code for a in answers] == [202] * 10, [a.text for a in answers]
     wait_for(lambda: Task.objects.filter(pk__in=waiting, status="completed").count() == 10, timeout=30,
@@ -264,5 +264,5 @@ def test_two_workers_run_new_work_while_ten_tasks_wait_and_all_ten_resume_on_the
     for task_id in waiting:
         assert Step.objects.get(task_id=task_id, step_id="finish").result == "paid"
         assert Step.objects.get(task_id=task_id, step_id="await").result == {"approved": True, "note": f"ok {task_id}"}
-        event = InboundEvent.objects.get(task_id=task_id, type="approval.decided")
+        event = InboundEvent.objects.get(task_id=task_id, type="instruction")
         assert event.state == "consumed" and event.outcome == "received by the wait of step await"

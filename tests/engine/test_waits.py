@@ -22,7 +22,7 @@ def approval(**params) -> Task:
 
 
 def decide(task, approved=True, **kwargs):
-    return inbox.send(task_id=task.pk, type="approval.decided", payload={"approved": approved, "note": "ok"},
+    return inbox.send(task_id=task.pk, type="instruction", payload={"approved": approved, "note": "ok"},
                       **kwargs)
 
 
@@ -30,7 +30,7 @@ def test_a_step_waits_without_a_worker_and_the_event_resumes_it():
     task = approval()
     assert drive_inline(task.pk) == "waiting"
     task = Task.objects.get(pk=task.pk)
-    assert task.status == "waiting" and task.lease_owner == "" and "await waits for approval.decided" in task.status_reason
+    assert task.status == "waiting" and task.lease_owner == "" and "await waits for instruction" in task.status_reason
     assert task.waiting_for[0]["step"] == "await" and task.waiting_until is not None
     assert Step.objects.get(task=task, step_id="await").status == "pending"
     sent = decide(task)
@@ -92,7 +92,7 @@ def test_a_waiting_task_can_be_paused_stopped_and_its_event_is_kept():
 
 def test_a_type_that_does_not_wait_for_an_event_type_refuses_it():
     task = services.task_create(type="demo.pipeline", params={})
-    with pytest.raises(inbox.InboxRefused, match="does not take 'approval.decided'"):
+    with pytest.raises(inbox.InboxRefused, match="does not take 'instruction'"):
         decide(task)
 
 

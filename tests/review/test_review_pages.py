@@ -320,6 +320,7 @@ def test_an_approval_item_shows_the_proposed_call_and_a_rejection_goes_into_the_
     item.refresh_from_db()
     assert (item.status, item.decision) == ("decided", "reject")
     event = InboundEvent.objects.get(task=task, type="approval.decided")
-    assert event.payload == {"approved": False, "approval_id": str(item.pk), "note": "wrong recipient",
-                             "arguments": None}
+    assert event.payload == {"approved": False, "approval_id": str(item.pk), "call_id": "call_7",
+                             "arguments_sha256": "", "note": "wrong recipient", "arguments": None}
+    assert event.source == "review"
     assert AuditEntry.objects.filter(action="review.approval", task=task).exists()

@@ -306,11 +306,12 @@ class ApprovalParams(BaseModel):
 
 @register
 class Approval(TaskType):
-    """prepare -> await (waits for approval.decided) -> finish: a durable wait."""
+    """prepare -> await (waits for an `instruction` event carrying a decision) -> finish: a durable wait.
+    (Not approval.decided: that one only the review queue sends, bound to an agent's call.)"""
 
     name = "test.approval"
     Params = ApprovalParams
-    awaited_event_types = ("approval.decided",)
+    awaited_event_types = ("instruction",)
 
     def plan(self, params):
         return [StepSpec("prepare"), StepSpec("await", depends_on=("prepare",)),
@@ -323,7 +324,7 @@ class Approval(TaskType):
             return {"amount": ctx.params.amount}
         if step_id == "await":
             try:
-                decision = ctx.wait_for("approval.decided", timeout=ctx.params.timeout)
+                decision = ctx.wait_for("instruction", timeout=ctx.params.timeout)
             except WaitTimedOut:
                 return {"approved": False, "note": "no decision in time"}
             return {"approved": decision["approved"], "note": decision.get("note", "")}
