@@ -7,20 +7,50 @@ PUT, DELETE, OPTIONS) or when the call sends an Idempotency-Key header
 A failure says whether the request can have reached the server: before the connection
 is up (refused, DNS, a connect timeout) it is *not performed*, and so is any answer with
 a status; once the connection is up, a timeout, a reset or a cancellation before the
-status arrives is *outcome unknown* (the server may be acting on it right now)."""
+status arrives is *outcome unknown* (the server may be acting on it right now).
+
+Args with `"egress": "policy"` (the agent's `http_request` always sends it) are policed
+(orchestrator/tools/egress.py, docs/egress.md): the destination and every redirect are
+checked before connecting, the connection goes to the checked address, redirects are
+followed by hand (at most 5), environment proxies are not used, and the request body, the
+response body and the total time are capped by ORCH_HTTP_MAX_REQUEST_BYTES,
+ORCH_HTTP_MAX_RESPONSE_BYTES and ORCH_HTTP_TIMEOUT_SECONDS. Operator-written steps call
+without the flag and reach what they name."""
 import http.client
 import json
 import socket
+import threading
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 
+from django.conf import settings
+
 from ..primitives.cancellation import Cancelled
 from ..primitives.faults import fault_point_for_key
+from . import egress
 from .base import OutcomeUnknown, Tool, ToolError, register
 
 IDEMPOTENT_METHODS = {"GET", "HEAD", "PUT", "DELETE", "OPTIONS"}
 MAX_BODY = 1_000_000
+POLICY = "policy"
+REDIRECT_STATUSES = {301, 302, 303, 307, 308}
+# Headers that must not follow a redirect to another origin (requests drops them too).
+CREDENTIAL_HEADERS = {"authorization", "cookie", "proxy-authorization"}
+BODY_HEADERS = {"content-type", "content-length", "transfer-encoding"}
+
+
+def policed(args: dict) -> bool:
+    """Whether the call obeys the egress policy; an unknown `egress` value is refused rather
+    than taken as "no policy"."""
+    value = args.get("egress")
+    if value is None:
+        return False
+    if value != POLICY:
+        raise ToolError(f"http.request: unknown egress mode {value!r}; the only one is {POLICY!r}")
+    return True
 
 
 class ResponseBroken(ToolError):
@@ -35,6 +65,8 @@ class RequestProgress:
     def __init__(self):
         self.connected = False
         self.connection = None
+        self.socket = None  # kept after urllib lets go of the connection (the body is read from it)
+        self.time_limit: TimeLimit | None = None
 
     def connection_class(self, base: type[http.client.HTTPConnection]):
         progress = self
@@ -43,14 +75,15 @@ class RequestProgress:
             def connect(self):
                 progress.connection = self
                 super().connect()
+                progress.socket = self.sock
                 progress.connected = True
 
         return Tracked
 
     def abort(self) -> None:
-        """Cut the connection from another thread (a cancellation): a request blocked on
-        sending or on waiting for the answer fails at once."""
-        sock = getattr(self.connection, "sock", None)
+        """Cut the connection from another thread (a cancellation, the time limit): a request
+        blocked on connecting, sending, waiting for the answer or reading it fails at once."""
+        sock = getattr(self.connection, "sock", None) or self.socket
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -58,46 +91,172 @@ class RequestProgress:
                 pass
 
 
-def _opener(progress: RequestProgress) -> urllib.request.OpenerDirector:
+class TimeLimit:
+    """The whole of a policed request (redirects and reading the body included) gets
+    `seconds`; then the connection is cut from a timer thread, whatever it is doing."""
+
+    def __init__(self, seconds: float, progress: RequestProgress):
+        self.seconds = seconds
+        self.ends = time.monotonic() + seconds
+        self.expired = False
+        self._progress = progress
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        self.expired = True
+        self._progress.abort()
+
+    def remaining(self) -> float:
+        return max(0.0, self.ends - time.monotonic())
+
+    def stop(self) -> None:
+        self._timer.cancel()
+
+    def describe(self) -> str:
+        return f"the time limit of {self.seconds:g} s (ORCH_HTTP_TIMEOUT_SECONDS)"
+
+
+class _RedirectsReturned(urllib.request.HTTPRedirectHandler):
+    """A 3xx comes back to the caller as the response: a policed request follows redirects
+    itself, checking each destination first."""
+
+    def _give_back(self, req, fp, code, msg, headers):
+        return fp
+
+    http_error_301 = http_error_302 = http_error_303 = http_error_307 = http_error_308 = _give_back
+
+
+def _opener(progress: RequestProgress, route: "egress.Route | None" = None) -> urllib.request.OpenerDirector:
+    """An opener whose connections report to `progress`; with a checked `route`, connections
+    go to its addresses only, no proxy is used and redirects are returned, not followed."""
+
+    def connection(base):
+        return progress.connection_class(egress.pinned_connection(base, route) if route else base)
+
     class Handler(urllib.request.HTTPHandler):
         def http_open(self, req):
-            return self.do_open(progress.connection_class(http.client.HTTPConnection), req)
+            return self.do_open(connection(http.client.HTTPConnection), req)
 
     class SecureHandler(urllib.request.HTTPSHandler):
         def https_open(self, req):
-            return self.do_open(progress.connection_class(http.client.HTTPSConnection), req, context=self._context)
+            return self.do_open(connection(http.client.HTTPSConnection), req, context=self._context)
 
-    return urllib.request.build_opener(Handler, SecureHandler)
+    if route is None:
+        return urllib.request.build_opener(Handler, SecureHandler)
+    return urllib.request.build_opener(Handler, SecureHandler, urllib.request.ProxyHandler({}), _RedirectsReturned)
+
+
+def request_body(args: dict) -> tuple[bytes | None, str | None]:
+    """The bytes a call sends and their content type."""
+    if "json" in args:
+        return json.dumps(args["json"]).encode(), "application/json"
+    if "body" in args:
+        return str(args["body"]).encode(), None
+    return None, None
+
+
+def check_request_size(args: dict) -> None:
+    data, _ = request_body(args)
+    cap = settings.ORCH_HTTP_MAX_REQUEST_BYTES
+    if data is not None and len(data) > cap:
+        raise egress.EgressRefused(
+            f"http.request refused to send {len(data)} bytes to {args.get('url')}: the body may have at most "
+            f"{cap} bytes (ORCH_HTTP_MAX_REQUEST_BYTES)")
 
 
 def open_request(args: dict, *, token, idempotency_key: str | None = None, progress: RequestProgress | None = None):
     token.raise_if_cancelled()
     progress = progress or RequestProgress()
     headers = dict(args.get("headers") or {})
-    data = None
-    if "json" in args:
-        data = json.dumps(args["json"]).encode()
-        headers.setdefault("Content-Type", "application/json")
-    elif "body" in args:
-        data = str(args["body"]).encode()
+    data, content_type = request_body(args)
+    if content_type:
+        headers.setdefault("Content-Type", content_type)
     if idempotency_key:
         headers["Idempotency-Key"] = idempotency_key
-    request = urllib.request.Request(args["url"], data=data, headers=headers,
-                                     method=args.get("method", "GET").upper())
+    method = args.get("method", "GET").upper()
+    if policed(args):
+        return _open_policed(args, method=method, data=data, headers=headers, token=token, progress=progress)
+    request = urllib.request.Request(args["url"], data=data, headers=headers, method=method)
+    return _send(request, _opener(progress), timeout=float(args.get("timeout", 30)), token=token,
+                 progress=progress)
+
+
+def _send(request, opener, *, timeout: float, token, progress: RequestProgress):
+    """One request through `opener`, its failures sorted into not performed / unknown."""
+    url = request.full_url
     unregister = token.on_cancel(lambda reason: progress.abort())
     try:
-        return _opener(progress).open(request, timeout=float(args.get("timeout", 30)))
+        return opener.open(request, timeout=timeout)
     except urllib.error.HTTPError as exc:
-        raise ToolError(f"{request.method} {args['url']} answered {exc.code} {exc.reason}") from exc
-    except OSError as exc:
+        raise ToolError(f"{request.method} {url} answered {exc.code} {exc.reason}") from exc
+    except (OSError, http.client.HTTPException) as exc:
         token.raise_if_cancelled()
+        limit = progress.time_limit
+        cause = f"{type(exc).__name__}: {exc}"
+        if limit is not None and limit.expired:
+            cause = f"stopped by {limit.describe()}"
         if progress.connected:
             raise OutcomeUnknown(
-                f"{request.method} {args['url']}: the request was sent but no answer came ({type(exc).__name__}: "
-                f"{exc}); the server may have acted on it", evidence=_evidence(request, exc)) from exc
-        raise ToolError(f"{request.method} {args['url']} failed before it reached the server: {exc}") from exc
+                f"{request.method} {url}: the request was sent but no answer came ({cause}); "
+                f"the server may have acted on it", evidence=_evidence(request, exc)) from exc
+        raise ToolError(f"{request.method} {url} failed before it reached the server: {cause}") from exc
     finally:
         unregister()
+
+
+def _open_policed(args: dict, *, method: str, data: bytes | None, headers: dict, token,
+                  progress: RequestProgress):
+    """Check, connect to the checked address, and follow redirects by hand (each checked
+    again), within ORCH_HTTP_TIMEOUT_SECONDS in all."""
+    check_request_size(args)
+    seconds = min(float(args.get("timeout", settings.ORCH_HTTP_TIMEOUT_SECONDS)), settings.ORCH_HTTP_TIMEOUT_SECONDS)
+    if progress.time_limit is None:
+        progress.time_limit = TimeLimit(seconds, progress)
+    limit = progress.time_limit
+    url, previous = args["url"], None
+    for hop in range(egress.MAX_REDIRECTS + 1):
+        try:
+            route = egress.check(url)  # before anything is sent to this destination
+        except egress.EgressRefused as exc:
+            if previous is None:
+                raise
+            raise egress.EgressRefused(f"{previous} redirected to {url}, not followed: {exc}") from None
+        if hop and not limit.remaining():
+            raise ToolError(f"{method} {args['url']}: redirected to {url}, not followed: {limit.describe()} "
+                            "was used up")
+        # A 3xx was an answer: the request before it is settled, and this one starts afresh.
+        progress.connected, progress.connection, progress.socket = False, None, None
+        request = urllib.request.Request(url, data=data, headers=headers, method=method)
+        response = _send(request, _opener(progress, route), timeout=max(limit.remaining(), 0.001), token=token,
+                         progress=progress)
+        location = response.headers.get("Location") if response.status in REDIRECT_STATUSES else None
+        if not location:
+            return response
+        response.close()
+        target = urllib.parse.urljoin(url, location.strip())
+        method, data, headers = _redirected(response.status, method, data, headers, url, target)
+        url, previous = target, url
+    raise ToolError(f"{args.get('method', 'GET').upper()} {args['url']}: more than {egress.MAX_REDIRECTS} "
+                    f"redirects (the last to {url}); not followed")
+
+
+def _redirected(status: int, method: str, data, headers: dict, source: str, target: str):
+    """The request a redirect asks for, as requests (and browsers) make it: 303 turns any
+    method but HEAD into GET, 301/302 turn POST into GET, both dropping the body; 307/308
+    repeat the method and body. Credentials do not follow to another origin."""
+    if (status == 303 and method != "HEAD") or (status in (301, 302) and method == "POST"):
+        method, data = "GET", None
+        headers = {name: value for name, value in headers.items() if name.lower() not in BODY_HEADERS}
+    if _origin(source) != _origin(target):
+        headers = {name: value for name, value in headers.items() if name.lower() not in CREDENTIAL_HEADERS}
+    return method, data, headers
+
+
+def _origin(url: str) -> tuple:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), (parts.hostname or "").lower(), parts.port
 
 
 def _evidence(request, error) -> dict:
@@ -105,18 +264,24 @@ def _evidence(request, error) -> dict:
             "error": f"{type(error).__name__}: {error}"}
 
 
-def iter_response(response, *, token, url: str, lines: bool = False) -> Iterator[bytes]:
-    """Chunks (or lines) of a response until it ends; cancelling the token closes it."""
+def iter_response(response, *, token, url: str, lines: bool = False, max_bytes: int | None = None) -> Iterator[bytes]:
+    """Chunks (or lines) of a response until it ends; cancelling the token closes it. With
+    `max_bytes`, it reads no more than one byte past that (to tell that there was more)."""
     unregister = token.on_cancel(lambda reason: response.close())
+    size = 0
     try:
-        while True:
+        while max_bytes is None or size <= max_bytes:
             token.raise_if_cancelled()
-            chunk = response.readline() if lines else (response.read1(65536) if hasattr(response, "read1")
-                                                        else response.read(65536))
+            want = 65536 if max_bytes is None else min(65536, max_bytes + 1 - size)
+            if lines:
+                chunk = response.readline() if max_bytes is None else response.readline(want)
+            else:
+                chunk = response.read1(want) if hasattr(response, "read1") else response.read(want)
             if not chunk:
                 break
+            size += len(chunk)
             yield chunk
-    except (OSError, ValueError, AttributeError) as exc:
+    except (OSError, ValueError, AttributeError, http.client.HTTPException) as exc:
         token.raise_if_cancelled()
         raise ResponseBroken(f"reading {url} failed: {exc}") from exc
     finally:
@@ -127,19 +292,53 @@ def iter_response(response, *, token, url: str, lines: bool = False) -> Iterator
 
 def http_call(args: dict, *, token, idempotency_key: str | None = None,
               progress: RequestProgress | None = None) -> dict:
-    """Perform one request: {method, url, headers?, json?|body?, timeout?}."""
-    with token.track("http", f"{args.get('method', 'GET').upper()} {args['url']}"):
-        response = open_request(args, token=token, idempotency_key=idempotency_key, progress=progress)
-        if idempotency_key:
-            fault_point_for_key("during_effect", idempotency_key)  # crash tests: sent, answer unread
-        chunks, size = [], 0
-        for chunk in iter_response(response, token=token, url=args["url"]):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size >= MAX_BODY:
-                break
-    body = b"".join(chunks).decode("utf-8", errors="replace")
-    return {"status": response.status, "body": body[:10_000], "truncated": len(body) > 10_000}
+    """Perform one request: {method, url, headers?, json?|body?, timeout?, egress?}."""
+    if not policed(args):
+        with token.track("http", f"{args.get('method', 'GET').upper()} {args['url']}"):
+            response = open_request(args, token=token, idempotency_key=idempotency_key, progress=progress)
+            if idempotency_key:
+                fault_point_for_key("during_effect", idempotency_key)  # crash tests: sent, answer unread
+            chunks, size = [], 0
+            for chunk in iter_response(response, token=token, url=args["url"]):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size >= MAX_BODY:
+                    break
+        body = b"".join(chunks).decode("utf-8", errors="replace")
+        return {"status": response.status, "body": body[:10_000], "truncated": len(body) > 10_000}
+    return _policed_call(args, token=token, idempotency_key=idempotency_key, progress=progress or RequestProgress())
+
+
+def _policed_call(args: dict, *, token, idempotency_key: str | None, progress: RequestProgress) -> dict:
+    cap = settings.ORCH_HTTP_MAX_RESPONSE_BYTES
+    stopped_by = None
+    try:
+        with token.track("http", f"{args.get('method', 'GET').upper()} {args['url']}"):
+            response = open_request(args, token=token, idempotency_key=idempotency_key, progress=progress)
+            if idempotency_key:
+                fault_point_for_key("during_effect", idempotency_key)
+            chunks, size = [], 0
+            try:
+                for chunk in iter_response(response, token=token, url=args["url"], max_bytes=cap):
+                    chunks.append(chunk)
+                    size += len(chunk)
+            except ResponseBroken:
+                if not progress.time_limit.expired:
+                    raise
+            if progress.time_limit.expired:
+                stopped_by = progress.time_limit.describe()  # the status came: keep what arrived
+            elif size > cap:
+                stopped_by = f"the size limit of {cap} bytes (ORCH_HTTP_MAX_RESPONSE_BYTES)"
+    finally:
+        if progress.time_limit is not None:
+            progress.time_limit.stop()
+    body = b"".join(chunks)[:cap].decode("utf-8", errors="replace")
+    result = {"status": response.status, "body": body[:10_000], "truncated": bool(stopped_by) or len(body) > 10_000}
+    if response.url != args["url"]:
+        result["url"] = response.url  # where the redirects led
+    if stopped_by:
+        result["stopped_by"] = stopped_by
+    return result
 
 
 @register
@@ -153,6 +352,9 @@ class HttpRequest(Tool):
     def validate(self, args: dict) -> None:
         if not str(args.get("url", "")).startswith(("http://", "https://")):
             raise ToolError(f"http.request needs an http(s) url; got {args.get('url')!r}")
+        if policed(args):  # what can be judged before an intent is written; the address at perform()
+            egress.parse(args["url"])
+            check_request_size(args)
 
     def repeat_consequence(self, args: dict, *, idempotent: bool) -> str:
         request = f"{args.get('method', 'GET').upper()} {args.get('url')}"
