@@ -86,3 +86,16 @@ def check_public_url(app_configs, **kwargs):
                         f"(a task needs a human) point at this machine only.",
                         hint="Set ORCH_PUBLIC_URL to the dashboard's public address.", id="orchestrator.W012")]
     return []
+
+
+@register(TAG)
+def check_agent_db_tables(app_configs, **kwargs):
+    from .tools.dbread import denied_in_setting
+
+    denied = denied_in_setting()
+    if denied:
+        return [Error(f"ORCH_AGENT_DB_TABLES names {', '.join(denied)}: the harness's own tables (users, sessions, "
+                      f"tokens, webhook secrets, review queue, tasks) are never readable by db_query.",
+                      hint="Remove them from ORCH_AGENT_DB_TABLES; list only tables of your own data.",
+                      id="orchestrator.E020")]
+    return []
