@@ -2,6 +2,15 @@
 step's token is cancelled, so no descendant survives a Stop. Idempotent only when the
 caller says the command is (`"idempotent": true`, e.g. a stage that rewrites its output).
 
+Two kinds of command:
+- `"sandbox": true` (the agent's shell_run, the model's commands): under bubblewrap with no
+  network, no project files, no environment and limits (tools/sandbox.py), or refused when the
+  sandbox cannot start. Nothing leaves the sandbox, so such a call is idempotent, and one
+  stopped at a limit or cancelled is *not performed*.
+- otherwise the operator's own code (demo.pipeline's stage scripts): on the host, with a
+  clean environment (INHERITED_ENVIRONMENT, the call's `env`, ORCH_IDEMPOTENCY_KEY), never
+  the worker's secrets.
+
 Outcome classes: a command that could not start, or exited non-zero, is *not performed*
 (by convention a failing command reports its failure; retry); one killed by its timeout
 or by a cancellation while running is *outcome unknown* (it may have done part or all of
@@ -11,6 +20,8 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from ..primitives.cancellation import Cancelled
 from .base import OutcomeUnknown, Tool, ToolError, register
@@ -39,12 +50,25 @@ def kill_group(proc: subprocess.Popen, grace: float = TERM_GRACE_SECONDS) -> Non
     proc.wait()
 
 
-def run_in_group(argv: list[str], *, token, cwd: str | None = None, env: dict | None = None,
-                 timeout: float | None = None) -> subprocess.CompletedProcess:
-    """Run argv in a new session; cancel or timeout kills the whole group."""
+# What a command started by the harness inherits from the worker's environment: nothing
+# that could be a secret (SECRET_KEY, LLM_API_KEY, DATABASE_URL... stay in the worker).
+INHERITED_ENVIRONMENT = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR")
+
+
+def clean_environment(extra: dict | None = None) -> dict:
+    """The environment of an operator's command: the allow-listed variables of the worker's
+    own environment, then `extra` (the call's own variables)."""
+    env = {name: os.environ[name] for name in INHERITED_ENVIRONMENT if name in os.environ}
+    env.setdefault("PATH", os.defpath)
+    return {**env, **(extra or {})}
+
+
+@contextmanager
+def process_group(argv: list[str], *, token, **popen_args) -> Iterator[subprocess.Popen]:
+    """Start argv in a new session (its own process group) tracked on the token: cancelling
+    the token kills the whole group, and so does leaving the block while it still runs."""
     token.raise_if_cancelled()
-    proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(argv, start_new_session=True, **popen_args)
     with token.track("subprocess", f"pid {proc.pid}: {' '.join(argv)[:150]}"):
         # Killing takes up to TERM_GRACE_SECONDS: do it off the cancelling thread (the
         # runner's supervisor), which must keep heartbeating and reporting.
@@ -52,13 +76,25 @@ def run_in_group(argv: list[str], *, token, cwd: str | None = None, env: dict | 
             lambda reason: threading.Thread(target=kill_group, args=(proc,), name=f"kill-{proc.pid}",
                                             daemon=True).start())
         try:
+            yield proc
+        finally:
+            unregister()
+            if proc.poll() is None:
+                kill_group(proc)
+
+
+def run_in_group(argv: list[str], *, token, cwd: str | None = None, env: dict | None = None,
+                 timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run argv in a new session with a clean environment (clean_environment() plus `env`);
+    cancel or timeout kills the whole group."""
+    with process_group(argv, token=token, cwd=cwd, env=clean_environment(env), stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True) as proc:
+        try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             kill_group(proc)
             stdout, stderr = proc.communicate()
             raise CommandTimedOut(f"{argv[0]} did not finish within {timeout} s and was killed")
-        finally:
-            unregister()
     token.raise_if_cancelled()
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
@@ -66,18 +102,31 @@ def run_in_group(argv: list[str], *, token, cwd: str | None = None, env: dict | 
 @register
 class ShellRun(Tool):
     name = "shell.run"
-    description = "Run a command in its own process group: {argv, cwd?, env?, timeout?, idempotent?}."
+    description = ("Run a command in its own process group: {argv, cwd?, env?, timeout?, idempotent?}, or in "
+                   "the sandbox: {argv, timeout?, sandbox: true}.")
 
     def is_idempotent(self, args: dict) -> bool:
-        return bool(args.get("idempotent"))
+        # A sandboxed command can change nothing outside its scratch directory (removed after).
+        return bool(args.get("idempotent") or args.get("sandbox"))
 
     def validate(self, args: dict) -> None:
         argv = args.get("argv")
         if not argv or not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
             raise ToolError(f"shell.run needs argv as a list of strings; got {argv!r}")
+        timeout = args.get("timeout")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout <= 0):
+            raise ToolError(f"shell.run's timeout must be a positive number of seconds; got {timeout!r}")
+        if args.get("sandbox"):
+            host_only = sorted({"cwd", "env"} & set(args))
+            if host_only:
+                raise ToolError(f"shell.run in the sandbox takes no {' or '.join(host_only)}: the command runs in "
+                                f"a fresh scratch directory with an empty environment")
 
     def perform(self, args: dict, *, key: str, token) -> dict:
         token.raise_if_cancelled()
+        if args.get("sandbox"):
+            return self._perform_sandboxed(args, token=token)
         try:
             done = run_in_group(args["argv"], token=token, cwd=args.get("cwd"),
                                 env={**(args.get("env") or {}), "ORCH_IDEMPOTENCY_KEY": key},
@@ -92,4 +141,13 @@ class ShellRun(Tool):
                   "stderr": done.stderr[-OUTPUT_TAIL:]}
         if done.returncode != 0:
             raise ToolError(f"{args['argv'][0]} exited with {done.returncode}: {done.stderr[-500:].strip()}")
+        return result
+
+    def _perform_sandboxed(self, args: dict, *, token) -> dict:
+        from .sandbox import run_sandboxed  # sandbox builds on this module's process groups
+
+        result = run_sandboxed(args["argv"], token=token, timeout=args.get("timeout"))
+        if result["returncode"] != 0:
+            raise ToolError(f"{args['argv'][0]} exited with {result['returncode']}: "
+                            f"{result['stderr'][-500:].strip()}")
         return result
