@@ -49,7 +49,8 @@ DENIED_PATTERNS = ("auth_*", "django_*", "axes_*", "review_*", "orchestrator_*",
 # Ordinary functions the model may call (names as the database sees them, lower case).
 # Anything else is refused: an allow-list, because the dangerous ones are many and vary by
 # version and extension (set_config, query_to_xml, pg_read_file, lo_import, dblink_*,
-# load_extension, readfile, fts3_tokenizer, ...).
+# load_extension, readfile, fts3_tokenizer, ...). Left out too: functions that build a
+# huge value from a small call (repeat, lpad, printf('%.*c', ...), randomblob).
 COMMON_FUNCTIONS = {
     "count", "sum", "avg", "min", "max", "abs", "round", "lower", "upper", "length", "substr", "substring",
     "trim", "ltrim", "rtrim", "replace", "coalesce", "nullif", "row_number", "rank", "dense_rank", "ntile",
@@ -60,8 +61,8 @@ POSTGRES_FUNCTIONS = COMMON_FUNCTIONS | {
     "bool_and", "bool_or", "every", "array_agg", "json_agg", "jsonb_agg", "json_object_agg", "jsonb_object_agg",
     "stddev", "stddev_pop", "stddev_samp", "variance", "var_pop", "var_samp", "percentile_cont",
     "percentile_disc", "mode", "trunc", "div", "char_length", "character_length", "octet_length", "btrim",
-    "concat", "concat_ws", "left", "right", "lpad", "rpad", "position", "strpos", "split_part", "initcap",
-    "reverse", "repeat", "starts_with", "to_char", "to_date", "to_timestamp", "to_number", "date_trunc",
+    "concat", "concat_ws", "left", "right", "position", "strpos", "split_part", "initcap",
+    "reverse", "starts_with", "to_char", "to_date", "to_timestamp", "to_number", "date_trunc",
     "date_part", "extract", "age", "now", "make_date", "make_timestamp", "make_interval", "justify_days",
     "timezone", "json_array_elements", "jsonb_array_elements", "json_array_elements_text",
     "jsonb_array_elements_text", "json_array_length", "jsonb_array_length", "json_each", "jsonb_each",
@@ -71,7 +72,7 @@ POSTGRES_FUNCTIONS = COMMON_FUNCTIONS | {
     "array_length", "unnest", "cardinality", "array_to_string", "generate_series",
 }
 SQLITE_FUNCTIONS = COMMON_FUNCTIONS | {
-    "total", "group_concat", "ifnull", "iif", "instr", "printf", "format", "date", "time", "datetime",
+    "total", "group_concat", "ifnull", "iif", "instr", "date", "time", "datetime",
     "julianday", "strftime", "unixepoch", "typeof", "like", "glob", "json", "json_extract", "json_array_length",
     "json_type", "json_valid", "json_object", "json_array", "json_group_array", "json_group_object", "->",
     "->>", "trunc",

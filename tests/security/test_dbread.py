@@ -285,6 +285,8 @@ def test_the_database_itself_refuses_harness_tables_without_the_gate(secrets, ta
     "SELECT sqlite_version()",
     "SELECT edit('x')",
     "SELECT django_format_dtdelta('+', 1, 1)",
+    "SELECT printf('%.*c', 1000000000, 'x')",
+    "SELECT randomblob(1000000000)",
 ])
 @on_sqlite
 def test_sqlite_functions_outside_the_allow_list_are_refused(secrets, sql):
@@ -313,6 +315,7 @@ def test_sqlite_functions_outside_the_allow_list_are_refused(secrets, sql):
     "SELECT '\\', set_config('role', 'none', true), '\\'",
     "SELECT xmlparse(document '<a/>')",
     "SELECT public.count(*) FROM demo_source",
+    "SELECT repeat('x', 1000000000)",
 ])
 @on_postgres
 def test_postgres_functions_outside_the_allow_list_are_refused(secrets, sql):
