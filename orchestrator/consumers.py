@@ -35,6 +35,7 @@ from .engine.events import TASK_LIST_GROUP, task_group
 from .outage import DATABASE_DOWN
 from .presenters import fragments
 from .primitives import jsonlimits
+from .primitives.redaction import redact
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,9 @@ class RoleRequiredConsumer(AsyncJsonWebsocketConsumer):
 
     @classmethod
     async def encode_json(cls, content):
-        return json.dumps(content, default=str)
+        # Every message of every websocket leaves here: the live surface's one redaction
+        # boundary (event payloads, task state; orchestrator/primitives/redaction.py).
+        return json.dumps(redact(content), default=str)
 
 
 class TaskConsumer(RoleRequiredConsumer):

@@ -239,6 +239,21 @@ def test_the_live_fragments_never_show_a_secret(agent_task, viewer, webhook_secr
     assert_clean(fragments.event_row(event)["html"], webhook_secret, markers=("SECRET_KEY",))
 
 
+def test_websocket_messages_are_redacted(agent_task, webhook_secret):
+    """What the task page's websocket sends as it happens: the event (with its payload) and
+    the task's state, through the consumers' one encoder."""
+    from asgiref.sync import async_to_sync
+
+    from orchestrator import live
+    from orchestrator.consumers import TaskConsumer, TaskListConsumer
+
+    event = agent_task.events.order_by("-seq").first()
+    for consumer in (TaskConsumer, TaskListConsumer):
+        text = async_to_sync(consumer.encode_json)({"events": [live.event_json(event)],
+                                                    "state": live.task_state(agent_task.pk)})
+        assert_clean(text, webhook_secret, markers=("SECRET_KEY",))
+
+
 def test_the_review_page_shows_arguments_redacted(agent_task, reviewer, webhook_secret):
     from review.models import ReviewItem
 
