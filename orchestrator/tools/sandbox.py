@@ -43,6 +43,9 @@ SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SCRATCH, "LANG": "C.UTF-8"}
 READ_CHUNK = 65_536
 PROBE_TIMEOUT = 10.0
+# bwrap exits with 128 + the signal that killed the command: these two are the kernel's, sent
+# at the CPU limit (soft) and at the file size limit.
+SIGNALLED_LIMITS = {128 + signal.SIGXCPU: "cpu", 128 + signal.SIGXFSZ: "file_size"}
 
 
 class SandboxUnavailable(ToolError):
@@ -185,8 +188,8 @@ def run_sandboxed(command: list[str], *, token, timeout: float | None = None) ->
             output.pop("elapsed", None)
         token.raise_if_cancelled()
         result = {"returncode": proc.returncode, **output}
-        if proc.returncode == 128 + signal.SIGXCPU and not stopped_by:
-            stopped_by = "cpu"
+        if not stopped_by:
+            stopped_by = SIGNALLED_LIMITS.get(proc.returncode)
     finally:
         _remove_scratch(scratch)
     if stopped_by:
@@ -237,6 +240,7 @@ def _limit_message(program: str, limit: str, limits: Limits, result: dict) -> st
                   f"{'stdout' if result['stdout_truncated'] else 'stderr'} (ORCH_SANDBOX_OUTPUT_BYTES); the first "
                   f"{limits.output_bytes} bytes are kept",
         "cpu": f"it used its {limits.cpu_seconds} s of CPU (ORCH_SANDBOX_CPU_SECONDS)",
+        "file_size": f"it wrote a file larger than {limits.memory_bytes} bytes (ORCH_SANDBOX_MEMORY_MB)",
     }[limit]
     tail = result["stderr"][-300:].strip()
     return f"{program} was stopped in the sandbox: {what}" + (f". stderr: {tail}" if tail else "")

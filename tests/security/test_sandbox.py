@@ -309,3 +309,11 @@ def test_shell_run_through_the_wal_runs_in_the_sandbox(settings, secrets_in_envi
     assert not any(value in stdout for value in SECRETS.values()) and "SECRET_KEY" not in stdout
     if os.geteuid() == 0:
         assert stdout.splitlines()[0] == str(sandbox.SANDBOX_UID)
+
+
+def test_a_file_past_the_size_limit_stops_the_command(settings, scratches):
+    settings.ORCH_SANDBOX_MEMORY_MB = 16
+    with pytest.raises(SandboxLimitReached) as stopped:
+        sandboxed(["dd", "if=/dev/zero", "of=big", "bs=1M", "count=64"])
+    assert stopped.value.limit == "file_size" and f"larger than {16 * 1024 * 1024} bytes" in str(stopped.value)
+    assert not any(os.path.exists(path) for path in scratches)
