@@ -85,6 +85,10 @@ def test_every_harness_table_is_refused(secrets, table):
     "SELECT * FROM review_reviewitem",
     "SELECT value FROM agent_memory",
     "/* comment */ SELECT * FROM auth_user -- trailing",
+    "SELECT (SELECT password FROM auth_user LIMIT 1)",
+    "SELECT * FROM demo_source NATURAL JOIN auth_user",
+    "SELECT * FROM demo_source WHERE EXISTS (SELECT 1 FROM auth_user WHERE password LIKE 'pbkdf2%')",
+    "SELECT count(*) FROM (SELECT 1 FROM django_session) AS auth_sessions",
 ])
 def test_harness_tables_are_refused_however_they_are_named(secrets, sql):
     assert "may not" in refused(sql)
