@@ -233,6 +233,7 @@ def _open_policed(args: dict, *, method: str, data: bytes | None, headers: dict,
                          progress=progress)
         location = response.headers.get("Location") if response.status in REDIRECT_STATUSES else None
         if not location:
+            response.redirects = hop
             return response
         response.close()
         target = urllib.parse.urljoin(url, location.strip())
@@ -334,7 +335,7 @@ def _policed_call(args: dict, *, token, idempotency_key: str | None, progress: R
             progress.time_limit.stop()
     body = b"".join(chunks)[:cap].decode("utf-8", errors="replace")
     result = {"status": response.status, "body": body[:10_000], "truncated": bool(stopped_by) or len(body) > 10_000}
-    if response.url != args["url"]:
+    if response.redirects:
         result["url"] = response.url  # where the redirects led
     if stopped_by:
         result["stopped_by"] = stopped_by

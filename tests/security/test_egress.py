@@ -263,6 +263,69 @@ def test_the_pinned_connection_keeps_the_name_for_the_host_header(monkeypatch, s
     assert server.requests[0]["host"] == f"intranet.example.com:{server.port}"
 
 
+def _certificate_authority(tmp_path, name):
+    """A CA and a certificate for `name` it signed (files: ca.pem, cert.pem, key.pem)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def issue(subject, issuer, key, signer, *, ca):
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+                   .not_valid_after(now + datetime.timedelta(hours=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "egress test CA")])
+    ca = issue(ca_name, ca_name, ca_key, ca_key, ca=True)
+    cert = issue(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]), ca_name, key, ca_key, ca=False)
+    (tmp_path / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    return tmp_path
+
+
+@pytest.fixture
+def tls_server(tmp_path, monkeypatch):
+    """An HTTPS server for secure.example.com on 127.0.0.1 (the names resolve there), whose CA
+    this process trusts; `sni` lists the names clients asked for."""
+    import ssl
+
+    files = _certificate_authority(tmp_path, "secure.example.com")
+    running = Server()
+    running.sni = []
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(files / "cert.pem", files / "key.pem")
+    context.sni_callback = lambda sock, name, ctx: running.sni.append(name)
+    running.socket = context.wrap_socket(running.socket, server_side=True)
+    monkeypatch.setattr(ssl, "_create_default_https_context",
+                        lambda: ssl.create_default_context(cafile=str(files / "ca.pem")))
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: real(
+        "127.0.0.1" if host.endswith(".example.com") else host, *a, **k))
+    yield running
+    running.stop()
+
+
+def test_https_to_the_pinned_address_still_verifies_the_certificate_for_the_name(tls_server, settings):
+    allow(settings, f"secure.example.com:{tls_server.port}", f"other.example.com:{tls_server.port}")
+    result = policed(f"https://secure.example.com:{tls_server.port}/ok")
+    assert result["body"] == "hello" and tls_server.sni == ["secure.example.com"]
+    assert tls_server.requests[0]["host"] == f"secure.example.com:{tls_server.port}"
+    with pytest.raises(ToolError, match="failed before it reached the server.*CERTIFICATE_VERIFY_FAILED"):
+        policed(f"https://other.example.com:{tls_server.port}/ok")  # same address, a name the certificate lacks
+    assert len(tls_server.requests) == 1
+
+
 # --- allowed by ORCH_HTTP_ALLOW
 
 
