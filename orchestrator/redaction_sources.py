@@ -36,6 +36,8 @@ def database_secrets() -> dict[str, str]:
     # Inside a transaction a failed read must not break it (PostgreSQL): a savepoint. Outside,
     # no transaction: on SQLite an atomic block would take the write lock for a read.
     if connection.in_atomic_block:
+        if connection.needs_rollback:  # a broken transaction: keep the last values, try again later
+            raise transaction.TransactionManagementError("the current transaction is broken")
         with transaction.atomic():
             return read()
     return read()

@@ -140,6 +140,28 @@ def test_a_rotated_webhook_secret_is_redacted_at_once(webhook_secret):
     assert redact_text(f"x {newer} y") == "x [redacted: webhook secret of upstream] y"
 
 
+def test_redacting_in_an_async_context_or_a_broken_transaction_keeps_working(webhook_secret):
+    """A log line written by a websocket consumer (async) or after a failed query must not
+    raise because the database part cannot be read then: the last values are kept."""
+    import asyncio
+
+    from django.db import IntegrityError, transaction
+
+    assert redact_text(webhook_secret) == "[redacted: webhook secret of upstream]"  # read in a sync context
+
+    async def in_event_loop():
+        redaction.refresh()
+        return redact_text(f"{SECRET_KEY} {webhook_secret}")
+
+    assert asyncio.run(in_event_loop()) == "[redacted: SECRET_KEY] [redacted: webhook secret of upstream]"
+    with transaction.atomic():
+        with pytest.raises(IntegrityError):
+            with transaction.atomic():
+                WebhookSource.objects.create(name="upstream", secrets=[])  # the name is taken
+        redaction.refresh()
+        assert redact_text(SECRET_KEY) == "[redacted: SECRET_KEY]"
+
+
 def test_the_admin_password_file_is_read(settings, tmp_path):
     settings.VAR_DIR = tmp_path
     (tmp_path / "admin-credentials.txt").write_text("username: admin\npassword: Adm1n-Pw-xyzzy\n")
