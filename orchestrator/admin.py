@@ -21,7 +21,7 @@ from .engine import webhooks
 from .engine.audit import audit
 from .models import (
     AgentMemory, AgentMessage, ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord,
-    InboundEvent, RetentionRun, Snapshot, Step, StepResult, Task, TaskEvent, WalEntry, WebhookSource,
+    InboundEvent, RetentionRun, Snapshot, Step, StepResult, Task, TaskEvent, WalEntry, WebhookRejection, WebhookSource,
 )
 
 admin.site.site_header = "Orchestrator administration"
@@ -288,7 +288,7 @@ class WebhookSourceAdmin(GuardedChangelistAdmin):
     date_hierarchy = "created_at"
     exclude = ("secrets",)
     readonly_fields = ("secrets_kept", "last_used_at", "created_at")
-    actions = ["rotate_secret"]
+    actions = ["rotate_secret", "revoke_secrets_now"]
 
     @admin.display(description="secrets")
     def secrets_kept(self, obj):
@@ -313,6 +313,25 @@ class WebhookSourceAdmin(GuardedChangelistAdmin):
             audit(action="webhook_source.rotate", actor=request.user, ip=request.META.get("REMOTE_ADDR"),
                   after={"name": source.name, "secrets_kept": len(source.secrets)})
             messages.warning(request, f"The new secret of {source.name} — shown this once: {secret}")
+
+    @admin.action(description="Revoke every secret now and make a new one (a leaked secret: the old ones stop "
+                              "working at once)")
+    def revoke_secrets_now(self, request, queryset):
+        for source in queryset:
+            secret = webhooks.revoke_now(source, actor=request.user, ip=request.META.get("REMOTE_ADDR"))
+            messages.warning(request, f"Every previous secret of {source.name} is refused from now on. Its new "
+                                      f"secret — shown this once, give it to the sender: {secret}")
+
+
+@admin.register(WebhookRejection)
+class WebhookRejectionAdmin(ReadOnlyAdmin):
+    """Rejected webhook requests, counted per source, reason and client address (a repeat
+    within an hour raises the count; engine/webhooks.py)."""
+
+    list_display = ("id", "source", "asked_for", "reason", "ip", "count", "first_at", "last_at", "last_task_id")
+    list_filter = ("reason", "source", "last_at")
+    search_fields = ("source", "asked_for", "ip")
+    date_hierarchy = "last_at"
 
 
 @admin.register(InboundEvent)

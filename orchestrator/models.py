@@ -341,6 +341,30 @@ class WebhookSource(models.Model):
         return self.name
 
 
+class WebhookRejection(models.Model):
+    """Rejected webhook requests, counted (engine/webhooks.py): one row per source, reason and
+    client address within REJECTION_WINDOW, its `count` raised by each repeat, so a flood of
+    forged requests updates a row instead of writing one (and an audit entry) each. What the
+    sender chose (the name asked for, its headers) is kept as a short prefix only."""
+
+    source = models.CharField(max_length=60, blank=True, help_text="the source's name; empty for an unknown one")
+    asked_for = models.CharField(max_length=60, blank=True, help_text="the name in the URL (the first one seen)")
+    reason = models.CharField(max_length=100)
+    ip = models.GenericIPAddressField(null=True, blank=True)
+    count = models.PositiveIntegerField(default=1)
+    first_at = models.DateTimeField(auto_now_add=True)
+    last_at = models.DateTimeField(db_index=True)
+    last_task_id = models.BigIntegerField(null=True, blank=True, help_text="the task id in the URL (not checked)")
+    last_webhook_id = models.CharField(max_length=200, blank=True)
+    last_user_agent = models.CharField(max_length=200, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["source", "reason", "ip", "last_at"], name="webhook_rejection_key")]
+
+    def __str__(self):
+        return f"{self.source or self.asked_for}: {self.reason} from {self.ip} ×{self.count}"
+
+
 class IdempotencyRecord(models.Model):
     """Results of side effects by idempotency key: consulted before performing one."""
 

@@ -153,6 +153,19 @@ if REDIS_URL:
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
+# The webhook endpoint's rate limiter (django-ratelimit, ORCH_WEBHOOK_RATE) counts in a cache
+# that every web process shares (a per-process LocMem cache would give each process its own
+# limit): Redis when REDIS_URL is set (atomic INCR); else a table of the database (created by
+# migration 0022), whose increments are read-then-write: under heavy concurrency a few
+# requests past the limit may pass, none under it is refused.
+if REDIS_URL:
+    CACHES["ratelimit"] = {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,
+                           "KEY_PREFIX": "orchestrator-ratelimit"}
+else:
+    CACHES["ratelimit"] = {"BACKEND": "django.core.cache.backends.db.DatabaseCache",
+                           "LOCATION": "orchestrator_ratelimit_cache", "OPTIONS": {"MAX_ENTRIES": 100_000}}
+RATELIMIT_USE_CACHE = "ratelimit"
+
 # --- Workers (django-q2) --------------------------------------------------------------
 # A task is driven in bounded slices (ORCH_SLICE_SECONDS, then it re-enqueues itself), so
 # one django-q2 job never runs for hours. `retry` must exceed the job's run time plus its

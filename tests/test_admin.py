@@ -17,7 +17,7 @@ from orchestrator.admin_tables import LargeTableAdmin
 from orchestrator.engine import inbox, services
 from orchestrator.models import (
     AgentMemory, AgentMessage, ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, InboundEvent,
-    RetentionRun, Snapshot, Step, StepResult, Task, TaskEvent, WalEntry, WebhookSource,
+    RetentionRun, Snapshot, Step, StepResult, Task, TaskEvent, WalEntry, WebhookRejection, WebhookSource,
 )
 from review.models import ReviewItem
 from review.services import review_decide, review_open
@@ -57,6 +57,8 @@ def records(superuser):
     Snapshot.objects.create(task=task, version=1, step_id="stage-1", state={"plan": []})
     StepResult.objects.create(task=task, step_id="stage-1", data={"rows": list(range(10))})
     WebhookSource.objects.create(name="crm", secrets=["whsec_x"], allowed_types=["upstream.ready"])
+    WebhookRejection.objects.create(source="crm", asked_for="crm", reason="bad signature or timestamp", ip="10.0.0.7",
+                                    last_at=task.created_at, last_task_id=task.pk)
     inbox.send(task_id=task.pk, type="progress.external", payload={"message": "alpha from outside"}, source="system")
     ApiToken.objects.create(user=superuser, token_hash="f" * 64, prefix="orch_abcdefg")
     DemoSource.objects.create(id=1, amount="1.5")

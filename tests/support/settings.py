@@ -5,3 +5,9 @@ password set here logs in there."""
 from orchestrator.settings import *  # noqa: F401,F403
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+# The webhook rate limiter counts in the test database's cache table even when REDIS_URL is
+# set: a test's counts are rolled back with its transaction, instead of lingering in Redis
+# for the next test (or the next run) from the same address.
+CACHES = {**CACHES, "ratelimit": {"BACKEND": "django.core.cache.backends.db.DatabaseCache",  # noqa: F405
+                                  "LOCATION": "orchestrator_ratelimit_cache"}}
