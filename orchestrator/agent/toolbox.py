@@ -29,6 +29,7 @@ from ..engine.wal import EffectFailed
 from ..models import AgentMemory, Task
 from ..primitives.redaction import redact
 from ..tools.base import ToolError
+from ..tools.dbread import read_only_query
 from ..tasktypes.contract_extraction import MalformedContract, list_samples, read_contract
 
 RESULT_CHARACTERS = 20_000  # what a tool message carries to the model (the step keeps all of it)
@@ -134,8 +135,6 @@ def _contracts_read(ctx, args: ContractsReadArgs):
 
 def _db_query(ctx, args: DbQueryArgs):
     # Only the allowed tables, as a read-only role (PostgreSQL) or under an authorizer (SQLite).
-    from ..tools.dbread import read_only_query  # TEMP until tools/dbread.py lands
-
     return read_only_query(args.sql, max_rows=QUERY_ROWS)
 
 

@@ -50,7 +50,7 @@ class Listener(ThreadingHTTPServer):
             def _any(handler):
                 length = int(handler.headers.get("Content-Length") or 0)
                 self.got.append(handler.path + "\n" + handler.rfile.read(length).decode(errors="replace"))
-                handler.send_response(200)
+                handler.send_response(404 if handler.path.startswith("/missing") else 200)
                 handler.send_header("Content-Length", "2")
                 handler.end_headers()
                 handler.wfile.write(b"ok")
@@ -292,3 +292,32 @@ def test_os_environ_secrets_are_set_for_the_attack(secrets_of_the_installation):
     # Guard: the attack tests search for these; if the fixture stopped setting them they would pass vacuously.
     assert os.environ["LLM_API_KEY"] == secrets_of_the_installation["LLM_API_KEY"]
     assert all(len(v) >= 16 for v in secrets_of_the_installation.values())
+
+
+def test_the_new_task_form_and_the_api_explain_a_refused_grant(settings, operator, client):
+    settings.ORCH_AGENT_HOST_TOOLS = ["shell_run"]
+    client.force_login(operator)
+    page = client.post("/tasks/new/", {"type": "agent.plan_execute", "params.goal": "look around",
+                                       "params.tools": "shell_run"})
+    assert page.status_code == 422
+    assert "only an admin may grant shell_run" in page.content.decode()
+    token = token_issue(user=operator)
+    response = client.post("/api/tasks", data=json.dumps({"type": "agent.plan_execute", "params": {
+        "goal": "look around", "tools": ["db_query"]}}), content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert response.status_code == 422
+    assert "db_query reach the worker's host or the database and are not enabled" in response.content.decode()
+    assert not Task.objects.exists()
+
+
+def test_a_read_tools_failure_goes_back_to_the_model_and_the_task_goes_on(settings, listeners, operator):
+    _, server = listeners
+    settings.ORCH_HTTP_ALLOW = [f"127.0.0.1:{server.server_address[1]}"]
+    script = [("http_request", {"url": f"{server.url}/missing"}), ("contracts_read", {"contract": 999})]
+    with AttackerModel(script) as model:
+        task = run_attack(model, settings, actor=operator, params={"tools": ["http_request", "contracts_read"]})
+        assert drive_inline(task.pk) == "completed"  # not needs_human
+    not_found, no_contract = (m.content for m in AgentMessage.objects.filter(task=task, role="tool").order_by("turn"))
+    assert not_found.startswith("error:") and "404" in not_found
+    assert no_contract.startswith("error: there is no contract 999")
+    assert len(server.got) == 1
