@@ -1,11 +1,21 @@
 """Browser tests: a real daphne + real workers against the test database, driven by the
 system Chromium through Playwright's sync API (no browser is ever downloaded).
 
+Without Chromium (CHROMIUM_PATH, default /usr/bin/chromium) every test here is skipped by one
+guard (`pytest_runtest_setup` below), with one line saying how to enable them; a module whose tests need no
+browser says `NEEDS_CHROMIUM = False`.
+
 Two traps: Playwright's sync API runs an event loop in the test
 thread, so Django refuses ORM calls there unless DJANGO_ALLOW_ASYNC_UNSAFE is set, and
 `async_to_sync` refuses to run there at all: create database objects before starting the
-browser, or in another thread (`in_thread`).
+browser, or in another thread (`in_thread`). And that loop stays marked as running on the main
+thread until Playwright is stopped: a Playwright left running (a launch that failed, a close
+that raised) would make every later database test of the session raise
+SynchronousOnlyOperation. `chromium()` always stops it, and `no_event_loop_left_behind` checks it
+after every test here.
 """
+import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -21,7 +31,36 @@ from django.conf import settings
 from tests.conftest import database_url, free_port
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root (where manage.py lives)
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = os.environ.get("CHROMIUM_PATH") or "/usr/bin/chromium"
+
+
+def chromium_missing() -> str | None:
+    """Why the browser tests cannot run here, as one line saying how to enable them; None if they can."""
+    if Path(CHROMIUM).is_file() and os.access(CHROMIUM, os.X_OK):
+        return None
+    return (f"browser tests skipped: no Chromium at {CHROMIUM} "
+            "(enable them with `apt-get install chromium`, or set CHROMIUM_PATH to a Chromium binary)")
+
+
+def pytest_runtest_setup(item):
+    """The one guard of every browser test, run before any fixture (no database, no daphne):
+    skip when there is no Chromium to drive. Raised here, every skip has this one location, so
+    pytest's summary shows them as one line."""
+    reason = chromium_missing()
+    if reason and getattr(getattr(item, "module", None), "NEEDS_CHROMIUM", True):
+        pytest.skip(reason)
+
+
+@pytest.fixture(autouse=True)
+def no_event_loop_left_behind():
+    """After every test here: no asyncio loop may be left running on the main thread (Playwright
+    not stopped). If one is, it is cleared, so the rest of the session still works, and the
+    test that left it fails."""
+    yield
+    if asyncio._get_running_loop() is not None:  # what Django's SynchronousOnlyOperation check reads
+        asyncio._set_running_loop(None)
+        pytest.fail("an asyncio loop was left running on the main thread (a Playwright not stopped?): "
+                    "start the browser through the `browser` fixture or `chromium()`, which always stop it")
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +73,23 @@ def allow_async_unsafe(monkeypatch):
 
 # Environment variables that must not reach the servers started here.
 NOT_FOR_SERVERS = {"DJANGO_ALLOW_ASYNC_UNSAFE"}
+
+
+@contextlib.contextmanager
+def chromium(executable_path: str | None = None):
+    """Playwright and the system Chromium; Playwright is stopped whatever happens (a failed
+    launch included), so its loop never outlives the block."""
+    from playwright.sync_api import sync_playwright
+
+    playwright = sync_playwright().start()  # stops itself if it fails to start
+    try:
+        browser = playwright.chromium.launch(executable_path=executable_path or CHROMIUM)
+        try:
+            yield browser
+        finally:
+            browser.close()
+    finally:
+        playwright.stop()
 
 
 def in_thread(fn, *args, **kwargs):
@@ -147,20 +203,15 @@ def stack(transactional_db, start_workers, tmp_path):
 @pytest.fixture
 def browser():
     """Chromium, started lazily: `browser()` — after the test made its database objects."""
-    from playwright.sync_api import sync_playwright
+    with contextlib.ExitStack() as cleanup:
+        started = []
 
-    started = {}
+        def start():
+            if not started:
+                started.append(cleanup.enter_context(chromium()))
+            return started[0]
 
-    def start():
-        if "browser" not in started:
-            started["playwright"] = sync_playwright().start()
-            started["browser"] = started["playwright"].chromium.launch(executable_path=CHROMIUM)
-        return started["browser"]
-
-    yield start
-    if "browser" in started:
-        started["browser"].close()
-        started["playwright"].stop()
+        yield start
 
 
 @pytest.fixture

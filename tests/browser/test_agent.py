@@ -1,18 +1,12 @@
 """Watching an agent in a real Chromium: its answer streams into the Conversation panel; the
 operator pauses it mid-stream, sends it a message, resumes it, and it answers with the
 message in view."""
-from pathlib import Path
 
 import pytest
+from playwright.sync_api import expect
 
-if not Path("/usr/bin/chromium").exists():
-    pytest.skip("browser tests need the system Chromium at /usr/bin/chromium", allow_module_level=True)
-pytest.importorskip("playwright.sync_api", reason="browser tests need the playwright package")
-
-from playwright.sync_api import expect  # noqa: E402
-
-from orchestrator.engine import services  # noqa: E402
-from orchestrator.llm.standin import StandinServer  # noqa: E402
+from orchestrator.engine import services
+from orchestrator.llm.standin import StandinServer
 
 pytestmark = [pytest.mark.browser, pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 

@@ -11,21 +11,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from django.conf import settings as django_settings
+from playwright.sync_api import expect
 
-if not Path("/usr/bin/chromium").exists():
-    pytest.skip("browser tests need the system Chromium at /usr/bin/chromium (apt-get install -y chromium); "
-                "Playwright's own browser download is never used", allow_module_level=True)
-pytest.importorskip("playwright.sync_api", reason="browser tests need the playwright package (pip install -e '.[test]')")
-
-from django.conf import settings as django_settings  # noqa: E402
-from playwright.sync_api import expect  # noqa: E402
-
-from orchestrator.engine import services  # noqa: E402
-from orchestrator.engine.worker import drive_inline  # noqa: E402
-from orchestrator.models import AuditEntry, Step, Task, TaskEvent  # noqa: E402
-from tests.browser.conftest import in_thread  # noqa: E402
-from tests.conftest import wait_for  # noqa: E402
-from tests.support.controls import controls  # noqa: E402
+from orchestrator.engine import services
+from orchestrator.engine.worker import drive_inline
+from orchestrator.models import AuditEntry, Step, Task, TaskEvent
+from tests.browser.conftest import in_thread
+from tests.conftest import wait_for
+from tests.support.controls import controls
 
 pytestmark = [pytest.mark.browser, pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 

@@ -4,12 +4,9 @@ browser reports no violation."""
 import re
 
 import pytest
+from playwright.sync_api import expect
 
-pytest.importorskip("playwright.sync_api", reason="browser tests need the playwright package (pip install -e '.[test]')")
-
-from playwright.sync_api import expect  # noqa: E402
-
-from orchestrator.engine import services  # noqa: E402
+from orchestrator.engine import services
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 

@@ -12,22 +12,15 @@ PostgreSQL it then blocks dropping the test database.
 """
 import os
 import re
-from pathlib import Path
 
 import pytest
+from playwright.sync_api import expect
 
-if not Path("/usr/bin/chromium").exists():
-    pytest.skip("browser tests need the system Chromium at /usr/bin/chromium (apt-get install -y chromium); "
-                "Playwright's own browser download is never used", allow_module_level=True)
-pytest.importorskip("playwright.sync_api", reason="browser tests need the playwright package (pip install -e '.[test]')")
-
-from playwright.sync_api import expect  # noqa: E402
-
-from orchestrator.engine import services  # noqa: E402
-from orchestrator.engine.states import InvalidTransition  # noqa: E402
-from orchestrator.models import Task, TaskEvent, WalEntry  # noqa: E402
-from tests.browser.conftest import ROOT, in_thread  # noqa: E402
-from tests.conftest import wait_for  # noqa: E402
+from orchestrator.engine import services
+from orchestrator.engine.states import InvalidTransition
+from orchestrator.models import Task, TaskEvent, WalEntry
+from tests.browser.conftest import ROOT, in_thread
+from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 

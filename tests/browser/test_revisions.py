@@ -7,21 +7,14 @@ once the browser runs, database calls go through `in_thread` (see test_dashboard
 """
 import re
 from decimal import Decimal
-from pathlib import Path
 
 import pytest
+from playwright.sync_api import expect
 
-if not Path("/usr/bin/chromium").exists():
-    pytest.skip("browser tests need the system Chromium at /usr/bin/chromium (apt-get install -y chromium); "
-                "Playwright's own browser download is never used", allow_module_level=True)
-pytest.importorskip("playwright.sync_api", reason="browser tests need the playwright package (pip install -e '.[test]')")
-
-from playwright.sync_api import expect  # noqa: E402
-
-from orchestrator.engine import services  # noqa: E402
-from orchestrator.engine.worker import drive_inline  # noqa: E402
-from orchestrator.models import AuditEntry, DemoDestination, DemoSource, Task  # noqa: E402
-from tests.browser.conftest import in_thread  # noqa: E402
+from orchestrator.engine import services
+from orchestrator.engine.worker import drive_inline
+from orchestrator.models import AuditEntry, DemoDestination, DemoSource, Task
+from tests.browser.conftest import in_thread
 
 pytestmark = [pytest.mark.browser, pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 
