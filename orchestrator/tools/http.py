@@ -215,7 +215,7 @@ def _open_policed(args: dict, *, method: str, data: bytes | None, headers: dict,
     if progress.time_limit is None:
         progress.time_limit = TimeLimit(seconds, progress)
     limit = progress.time_limit
-    url, previous = args["url"], None
+    url, previous = requote(args["url"]), None
     for hop in range(egress.MAX_REDIRECTS + 1):
         try:
             route = egress.check(url)  # before anything is sent to this destination
@@ -236,11 +236,18 @@ def _open_policed(args: dict, *, method: str, data: bytes | None, headers: dict,
             response.redirects = hop
             return response
         response.close()
-        target = urllib.parse.urljoin(url, location.strip())
+        target = requote(urllib.parse.urljoin(url, location.strip()))
         method, data, headers = _redirected(response.status, method, data, headers, url, target)
         url, previous = target, url
     raise ToolError(f"{args.get('method', 'GET').upper()} {args['url']}: more than {egress.MAX_REDIRECTS} "
                     f"redirects (the last to {url}); not followed")
+
+
+def requote(url: str) -> str:
+    """The URL with what may not travel raw (spaces, quotes, control characters, non-ASCII)
+    percent-encoded, and what is already encoded left alone: a model writes URLs as text, and
+    http.client refuses a space where requests would quote it (the same safe set as requests)."""
+    return urllib.parse.quote(url, safe="!#$%&'()*+,/:;=?@[]~")
 
 
 def _redirected(status: int, method: str, data, headers: dict, source: str, target: str):

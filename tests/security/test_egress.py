@@ -32,7 +32,8 @@ class Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(length) if length else b""
         path, _, query = self.path.partition("?")
         params = dict(urllib.parse.parse_qsl(query))
-        server.requests.append({"method": self.command, "path": path, "host": self.headers.get("Host"),
+        server.requests.append({"method": self.command, "path": path, "target": self.path,
+                                "host": self.headers.get("Host"),
                                 "body": body, "authorization": self.headers.get("Authorization")})
         if path == "/redirect":
             self.send_response(int(params.get("status", 302)))
@@ -361,6 +362,12 @@ def test_an_ipv6_loopback_server_is_reached_when_listed(settings):
         assert policed(f"http://[::1]:{v6.port}/ok")["body"] == "hello"
     finally:
         v6.stop()
+
+
+def test_a_url_written_as_text_is_percent_encoded_not_refused(server, settings):
+    allow(settings, f"127.0.0.1:{server.port}")
+    assert policed(server.url('/echo?q=a b "c"&name=Zoë&done=100%25'))["status"] == 200
+    assert server.requests[0]["target"] == "/echo?q=a%20b%20%22c%22&name=Zo%C3%AB&done=100%25"
 
 
 def test_without_the_flag_operator_steps_reach_local_servers(server):
