@@ -134,6 +134,18 @@ def test_ordinary_text_is_not_mangled(settings, monkeypatch):
     assert redact_text(f"{text} {SECRET_KEY}") == f"{text} [redacted: SECRET_KEY]"
 
 
+def test_the_longest_secret_wins_where_one_starts_another(monkeypatch):
+    monkeypatch.setenv("SHORTER_TOKEN", "tok-abcdefgh")
+    monkeypatch.setenv("LONGER_TOKEN", "tok-abcdefgh-ijklmnop")
+    redaction.refresh()
+    try:
+        assert (redact_text("tok-abcdefgh-ijklmnop / tok-abcdefgh / tok-abcdefg")
+                == "[redacted: LONGER_TOKEN] / [redacted: SHORTER_TOKEN] / tok-abcdefg")
+    finally:
+        monkeypatch.undo()
+        redaction.refresh()
+
+
 def test_a_rotated_webhook_secret_is_redacted_at_once(webhook_secret):
     source = WebhookSource.objects.get(name="upstream")
     newer = webhooks.rotate(source)
