@@ -48,3 +48,33 @@ def test_db_query_reads_and_cannot_write_whatever_the_statement_hides():
     ok, result = toolbox.call(None, "db_query", '{"sql": "SELECT username, password FROM auth_user"}', ALL)
     assert not ok and result.startswith("error:") and "auth_user" in result
     assert DemoSource.objects.count() == 1
+
+
+@pytest.mark.parametrize("name, arguments, waived, waits", [
+    ("email_send", {"to": ["ops@example.org"]}, [], True),  # non-idempotent: a reviewer first
+    ("email_send", {"to": ["ops@example.org"]}, ["email_send"], False),  # an admin waived it
+    ("email_send", {"to": ["ops@example.org", "thief@evil.example"]}, ["email_send"], True),  # outside the allow-list
+    ("http_request", {"method": "GET", "url": "https://example.org/"}, [], False),
+    ("http_request", {"method": "POST", "url": "https://example.org/"}, [], True),
+    ("http_request", {"method": "DELETE", "url": "https://example.org/"}, [], True),
+    ("http_request", {"method": "POST", "url": "https://example.org/"}, ["http_request"], False),
+    ("shell_run", {"argv": ["id"]}, [], True),
+    ("memory_write", {"key": "k", "body": "b"}, [], False),  # idempotent, the harness's own table
+    ("contracts_read", {"contract": 1}, [], False),
+])
+def test_which_calls_wait_for_a_reviewer(settings, name, arguments, waived, waits):
+    settings.ORCH_AGENT_EMAIL_ALLOW = ["*@example.org"]
+    assert bool(toolbox.needs_approval(name, arguments, require=[], waived=waived)) is waits
+    assert toolbox.needs_approval(name, arguments, require=[name], waived=[name])  # require_approval wins
+
+
+def test_the_email_allow_list_defaults_to_the_installations_own_domain(settings):
+    settings.ORCH_AGENT_EMAIL_ALLOW, settings.DEFAULT_FROM_EMAIL = [], "orchestrator@corp.example"
+    assert toolbox.email_allowed("Ops@Corp.Example") and not toolbox.email_allowed("ops@corp.example.evil.org")
+    assert not toolbox.email_allowed("someone@elsewhere.org")
+
+
+def test_the_safe_default_holds_no_side_effect_and_nothing_of_the_host():
+    assert toolbox.SAFE_DEFAULT == ["contracts_list", "contracts_read", "memory_search"]
+    assert set(toolbox.HOST_TOOLS) == {"db_query", "db_upsert", "shell_run"}
+    assert all(toolbox.TOOLS[name].effect == toolbox.READ_ONLY for name in toolbox.SAFE_DEFAULT)
