@@ -16,10 +16,13 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+migrate: export DEBUG ?= true
 migrate: install
 	$(PY) manage.py migrate --noinput
 
 ## Start everything on SQLite: web on 127.0.0.1:$(PORT), workers, sweeper. Ctrl-C stops all.
+## DEBUG is on here (its default elsewhere is off): the zero-config development stack.
+run: export DEBUG ?= true
 run: migrate
 	$(PY) manage.py runstack
 

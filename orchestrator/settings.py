@@ -27,13 +27,16 @@ def env_bool(name: str, default: bool) -> bool:
 
 
 DEV_SECRET_KEY = "dev-only-insecure-secret-key-change-me-in-production"  # orchestrator.checks E011 looks for it
-DEBUG = env_bool("DEBUG", True)
+# Off unless asked for: `make run` (and the test suite) set DEBUG=true; a server started any
+# other way without DEBUG gets production behaviour, and so needs a SECRET_KEY (below).
+DEBUG = env_bool("DEBUG", False)
 SECRET_KEY = os.environ.get("SECRET_KEY", "").strip()
 if not DEBUG and SECRET_KEY in ("", DEV_SECRET_KEY):
     # The dev key is public (it is in this file): with it anyone can forge sessions and
     # password-reset links. Refuse to start rather than run a production site with it.
     raise ImproperlyConfigured(
-        "SECRET_KEY is not set (or is the public development key) and DEBUG=false: refusing to start. "
+        "SECRET_KEY is not set (or is the public development key) and DEBUG=false (unset DEBUG is false "
+        "outside `make run`): refusing to start. "
         "Set SECRET_KEY to a long random value, the same on every web and worker host, e.g. "
         "SECRET_KEY=$(python -c 'import secrets; print(secrets.token_urlsafe(50))'); "
         "or set DEBUG=true for local development.")

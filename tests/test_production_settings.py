@@ -50,13 +50,14 @@ def test_debug_false_with_a_secret_key_starts(tmp_path):
 
 def test_debug_true_without_secret_key_uses_the_dev_key(tmp_path):
     result = run(["-c", "import django; django.setup(); from django.conf import settings; "
-                        "print(settings.SECRET_KEY == settings.DEV_SECRET_KEY)"], ORCH_VAR_DIR=str(tmp_path))
+                        "print(settings.SECRET_KEY == settings.DEV_SECRET_KEY)"], DEBUG="true",
+                 ORCH_VAR_DIR=str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
 
 
 def test_the_sqlite_database_and_its_wal_files_are_owner_only(tmp_path):
-    result = run(["-c", CONNECT_AND_WRITE], ORCH_VAR_DIR=str(tmp_path))
+    result = run(["-c", CONNECT_AND_WRITE], DEBUG="true", ORCH_VAR_DIR=str(tmp_path))
     assert result.returncode == 0, result.stderr
     modes = dict(line.split() for line in result.stdout.splitlines())
     assert str(tmp_path / "orchestrator.sqlite3") in modes
@@ -67,7 +68,7 @@ def test_an_existing_world_readable_sqlite_file_is_made_owner_only(tmp_path):
     database = tmp_path / "orchestrator.sqlite3"
     database.touch()
     database.chmod(0o644)
-    result = run(["-c", CONNECT_AND_WRITE], ORCH_VAR_DIR=str(tmp_path))
+    result = run(["-c", CONNECT_AND_WRITE], DEBUG="true", ORCH_VAR_DIR=str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert stat.S_IMODE(database.stat().st_mode) == 0o600
 

@@ -2,7 +2,13 @@
 PBKDF2 hash costs about half a second, and most tests make a user or two. The processes a
 test starts (web, workers) get these settings too (tests/conftest.py `process_env`), so a
 password set here logs in there."""
-from orchestrator.settings import *  # noqa: F401,F403
+import os
+
+# DEBUG is off by default (orchestrator/settings.py); the suite runs as `make run` does, and
+# so do the processes it starts (they inherit this environment).
+os.environ.setdefault("DEBUG", "true")
+
+from orchestrator.settings import *  # noqa: E402,F401,F403
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 

@@ -34,7 +34,9 @@ class Command(BaseCommand):
             commands["model"] = [python, manage, "standin_llm", "--port", str(standin_port)]
         # Each in its own process group, so that stopping reaches all of a program's
         # processes (the worker cluster is several) and nothing is left running.
-        procs = {name: subprocess.Popen(argv, cwd=settings.BASE_DIR, start_new_session=True)
+        # The children run with this process's DEBUG, said explicitly (its default is off).
+        env = {**os.environ, "DEBUG": "true" if settings.DEBUG else "false"}
+        procs = {name: subprocess.Popen(argv, cwd=settings.BASE_DIR, start_new_session=True, env=env)
                  for name, argv in commands.items()}
         self.stdout.write(self.style.SUCCESS(f"Orchestrator running at http://{host}:{port}/  (Ctrl-C stops everything)"))
         if standin_port is None:
