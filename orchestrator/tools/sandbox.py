@@ -19,6 +19,7 @@ Fail closed: when bwrap is missing or cannot set up its namespaces (a probe run 
 process finds out, by bwrap's own failure), the call raises SandboxUnavailable with bwrap's
 reason. Nothing ever falls back to running on the host.
 """
+import logging
 import os
 import selectors
 import shutil
@@ -35,6 +36,8 @@ from django.conf import settings
 from .base import ToolError
 from .shell import kill_group, process_group
 
+log = logging.getLogger(__name__)
+
 BWRAP = "/usr/bin/bwrap"
 PRLIMIT = "/usr/bin/prlimit"  # util-linux; runs inside the sandbox, after the namespaces exist
 SANDBOX_UID = SANDBOX_GID = 65534  # nobody/nogroup: who the command runs as when the worker is root
@@ -43,6 +46,7 @@ SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SCRATCH, "LANG": "C.UTF-8"}
 READ_CHUNK = 65_536
 PROBE_TIMEOUT = 10.0
+REMOVE_ATTEMPTS = 20
 # bwrap exits with 128 + the signal that killed the command: these two are the kernel's, sent
 # at the CPU limit (soft) and at the file size limit.
 SIGNALLED_LIMITS = {128 + signal.SIGXCPU: "cpu", 128 + signal.SIGXFSZ: "file_size"}
@@ -122,17 +126,27 @@ def _make_scratch() -> str:
 
 def _remove_scratch(scratch: str) -> None:
     """Remove the scratch directory whatever the command left in it (directories it made
-    unreadable included)."""
+    unreadable included). After a kill the sandbox's last processes may still be exiting
+    (and writing): try again for a moment before giving up with a warning."""
     def make_writable_and_retry(function, path, _exc_info):
-        parent = os.path.dirname(path)
-        for target in (parent, path):
+        for target in (os.path.dirname(path), path):
             try:
                 os.chmod(target, stat.S_IRWXU, follow_symlinks=False)
             except OSError:
                 pass
         function(path)
 
-    shutil.rmtree(scratch, onerror=make_writable_and_retry)
+    for attempt in range(REMOVE_ATTEMPTS):
+        try:
+            shutil.rmtree(scratch, onerror=make_writable_and_retry)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if attempt == REMOVE_ATTEMPTS - 1:
+                log.warning("sandbox scratch directory %s could not be removed: %s", scratch, exc)
+                return
+            time.sleep(0.1)
 
 
 _probed: dict[tuple[str, str], bool] = {}
@@ -174,18 +188,19 @@ def run_sandboxed(command: list[str], *, token, timeout: float | None = None) ->
     limits = Limits.from_settings(timeout)
     scratch = _make_scratch()
     try:
-        with process_group(bwrap_argv(scratch, command, limits), token=token, env={}, stdin=subprocess.DEVNULL,
+        with process_group(bwrap_argv(scratch, command, limits), token=token, label=f"sandbox: {' '.join(command)}",
+                           env={}, stdin=subprocess.DEVNULL,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **_drop_privileges()) as proc:
-            output, stopped_by = _read_bounded(proc, limits, token)
+            with proc.stdout, proc.stderr:
+                output, stopped_by, elapsed = _read_bounded(proc, limits, token)
             if stopped_by:
                 kill_group(proc)
             else:
                 try:
-                    proc.wait(timeout=max(0.0, limits.wall_seconds - output.pop("elapsed")))
+                    proc.wait(timeout=max(0.0, limits.wall_seconds - elapsed))
                 except subprocess.TimeoutExpired:  # it closed its output and went on running
                     kill_group(proc)
                     stopped_by = "timeout"
-            output.pop("elapsed", None)
         token.raise_if_cancelled()
         result = {"returncode": proc.returncode, **output}
         if not stopped_by:
@@ -198,9 +213,9 @@ def run_sandboxed(command: list[str], *, token, timeout: float | None = None) ->
     return result
 
 
-def _read_bounded(proc: subprocess.Popen, limits: Limits, token) -> tuple[dict, str | None]:
+def _read_bounded(proc: subprocess.Popen, limits: Limits, token) -> tuple[dict, str | None, float]:
     """Read stdout and stderr until both close, keeping at most limits.output_bytes of each.
-    Returns (output, stopped_by): stopped_by is "timeout", "output" or None."""
+    Returns (output, stopped_by, seconds elapsed): stopped_by is "timeout", "output" or None."""
     started = time.monotonic()
     deadline = started + limits.wall_seconds
     streams = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr"}
@@ -229,8 +244,7 @@ def _read_bounded(proc: subprocess.Popen, limits: Limits, token) -> tuple[dict, 
                     break
     output = {name: bytes(data).decode("utf-8", errors="replace") for name, data in kept.items()}
     output.update({f"{name}_truncated": flag for name, flag in truncated.items()})
-    output["elapsed"] = time.monotonic() - started
-    return output, stopped_by
+    return output, stopped_by, time.monotonic() - started
 
 
 def _limit_message(program: str, limit: str, limits: Limits, result: dict) -> str:

@@ -64,12 +64,13 @@ def clean_environment(extra: dict | None = None) -> dict:
 
 
 @contextmanager
-def process_group(argv: list[str], *, token, **popen_args) -> Iterator[subprocess.Popen]:
-    """Start argv in a new session (its own process group) tracked on the token: cancelling
-    the token kills the whole group, and so does leaving the block while it still runs."""
+def process_group(argv: list[str], *, token, label: str | None = None, **popen_args) -> Iterator[subprocess.Popen]:
+    """Start argv in a new session (its own process group) tracked on the token (as `label`,
+    what the task page shows running): cancelling the token kills the whole group, and so
+    does leaving the block while it still runs."""
     token.raise_if_cancelled()
     proc = subprocess.Popen(argv, start_new_session=True, **popen_args)
-    with token.track("subprocess", f"pid {proc.pid}: {' '.join(argv)[:150]}"):
+    with token.track("subprocess", f"pid {proc.pid}: {(label or ' '.join(argv))[:150]}"):
         # Killing takes up to TERM_GRACE_SECONDS: do it off the cancelling thread (the
         # runner's supervisor), which must keep heartbeating and reporting.
         unregister = token.on_cancel(

@@ -106,7 +106,6 @@ def test_the_command_cannot_read_the_projects_files_nor_the_hosts(settings):
              " 'root': sorted(os.listdir('/'))}))\n")
     try:
         result = json.loads(sandboxed(["python3", "-c", probe, *paths])["stdout"])
-        cat = None
         with pytest.raises(ToolError) as cat:
             sandboxed(["cat", str(credentials)])
     finally:
@@ -235,6 +234,8 @@ def test_cancellation_kills_the_sandboxed_command(marker, scratches):
     thread = threading.Thread(target=run)
     thread.start()
     wait_for(lambda: processes_with(marker), timeout=20, message="the sandboxed command running")
+    # What the task page shows running is the command, not bwrap's command line.
+    assert [a["label"] for a in token.activities()][0].split(": ", 1)[1].startswith("sandbox: python3 -c")
     cancelled_at = time.monotonic()
     token.cancel("operator pressed Stop")
     thread.join(15)
