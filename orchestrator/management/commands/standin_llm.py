@@ -1,12 +1,13 @@
 """`manage.py standin_llm`: serve the stand-in model server (orchestrator/llm/standin.py), a
 rule-based stand-in for a real model that speaks the OpenAI Chat Completions protocol.
 `make run` starts it when LLM_BASE_URL points at it (see runstack)."""
+import errno
 import logging
 import signal
 import threading
 
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from orchestrator.llm.standin import DEFAULT_PORT, STANDIN_MODEL, StandinServer
 
@@ -23,7 +24,13 @@ class Command(BaseCommand):
                             help="pace of the stream, seconds per token (LLM_STANDIN_TOKEN_SECONDS; default 0.005)")
 
     def handle(self, *args, host, port, token_seconds, **options):
-        server = StandinServer(host=host, port=port, token_seconds=token_seconds)
+        try:
+            server = StandinServer(host=host, port=port, token_seconds=token_seconds)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise CommandError(f"Port {port} on {host} is already in use; serve the stand-in on another "
+                               f"(--port), and point LLM_BASE_URL at it") from exc
 
         def stop(*_):
             # shutdown() waits for serve_forever to return, so it must run off its thread.
