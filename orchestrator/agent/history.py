@@ -28,15 +28,17 @@ def current(task_id: int):
     return [row for row in rows if not row.step_id or generations.get(row.step_id) == row.generation]
 
 
-def messages_for_turn(task_id: int, turn: int) -> list[dict]:
+def messages_for_turn(task_id: int, turn: int, settled: dict[str, str] | None = None) -> list[dict]:
     """The messages of the request for `turn`: everything before it, plus its own
-    interrupted attempts (the model continues them instead of starting over)."""
+    interrupted attempts (the model continues them instead of starting over). Raises
+    Unsettled for a dangling call whose effect must go through the WAL first (see repaired)."""
     # Its own answer and tool results are not part of its request; an attempt that was lost
     # before its first token has nothing to continue.
     rows = [r for r in current(task_id)
             if (r.interrupted and r.content and r.turn <= turn)
             or (not r.interrupted and (r.turn < turn or (r.turn == turn and r.role == AgentMessage.Role.USER)))]
-    return repaired(task_id, _with_notes(rows), {c["id"]: c.get("step", "") for r in rows for c in r.tool_calls})
+    return repaired(task_id, _with_notes(rows), {c["id"]: c.get("step", "") for r in rows for c in r.tool_calls},
+                    settled)
 
 
 def _with_notes(rows) -> list[dict]:
@@ -61,11 +63,27 @@ def _wire(row: AgentMessage) -> dict:
     return {"role": row.role, "content": row.content}
 
 
-def repaired(task_id: int, messages: list[dict], steps_of_calls: dict[str, str]) -> list[dict]:
-    """`messages` with a `tool` message for every tool call that has none, from the WAL —
-    never guessed: a recorded result is replayed; a call that never wrote an intent was not
-    executed. (The plan makes a turn wait for all its tool steps, so this is a safety net:
-    a history that still lacks an answer here is not sent half-made.)"""
+class Unsettled(Exception):
+    """A dangling tool call whose effect must go through the WAL again before the model can be
+    told what happened: an intent whose outcome is unknown (replayed with the same key when the
+    tool is idempotent, put before a reviewer when it is not), or one a reviewer found did not
+    happen (performed again, same key). The turn settles it and asks again (`settled`)."""
+
+    def __init__(self, entry: WalEntry, step_id: str, call: dict):
+        super().__init__(f"tool call {call.get('id')} ({entry.tool}, step {step_id}) has an unsettled WAL intent")
+        self.entry, self.step_id, self.call = entry, step_id, call
+
+
+def repaired(task_id: int, messages: list[dict], steps_of_calls: dict[str, str],
+             settled: dict[str, str] | None = None) -> list[dict]:
+    """`messages` with a `tool` message for every tool call that has none, from the durable
+    record — never guessed (AGENT.md "Repairing history on resume"): a call that ran is told
+    its result (a read-only call's is its step's result: reads have no WAL row); an effect in
+    doubt goes through the WAL again first (Unsettled); a reviewer's decision is the result; a
+    skipped call says who skipped it and why; only a call with no trace was "not executed".
+    (The plan makes a turn wait for all its tool steps, so this is a safety net: a history
+    that still lacks an answer here is not sent half-made.) `settled`: answers the turn got by
+    settling Unsettled calls, by step id."""
     out: list[dict] = []
     pending: list[dict] = []
     for message in messages + [{"role": "end"}]:
@@ -73,8 +91,11 @@ def repaired(task_id: int, messages: list[dict], steps_of_calls: dict[str, str])
             pending = [c for c in pending if c["id"] != message["tool_call_id"]]
         elif pending:
             for call in pending:
+                step_id = steps_of_calls.get(call["id"], "")
+                as_made = {"id": call["id"], "name": call["function"]["name"],
+                           "arguments": call["function"]["arguments"]}
                 out.append({"role": "tool", "tool_call_id": call["id"],
-                            "content": _from_wal(task_id, steps_of_calls.get(call["id"], ""))})
+                            "content": answer_for(task_id, as_made, step_id, settled or {})})
             pending = []
         if message["role"] == "assistant":
             pending = list(message.get("tool_calls") or [])
@@ -83,10 +104,78 @@ def repaired(task_id: int, messages: list[dict], steps_of_calls: dict[str, str])
     return out
 
 
-def _from_wal(task_id: int, step_id: str) -> str:
-    entry = (WalEntry.objects.filter(task_id=task_id, step_id=step_id, status=WalStatus.DONE).order_by("-id").first()
-             if step_id else None)
-    return f"(recorded result) {entry.result}" if entry is not None else NOT_EXECUTED
+def answer_for(task_id: int, call: dict, step_id: str, settled: dict[str, str]) -> str:
+    """What the model is told of a tool call ({"id", "name", "arguments"}) that has no `tool`
+    message (AGENT.md's table)."""
+    from ..models import StepStatus
+    from .toolbox import as_message_text
+
+    if step_id in settled:
+        return settled[step_id]
+    if not step_id:
+        return NOT_EXECUTED
+    step = Step.objects.filter(task_id=task_id, step_id=step_id).first()
+    entry = WalEntry.objects.filter(task_id=task_id, step_id=step_id).order_by("-id").first()
+    if step is not None and step.status == StepStatus.DONE:
+        from ..engine.results import result_of
+
+        result = result_of(step)  # the tool step's record: {"tool_call_id", "name", "ok", "result"}
+        value = result.get("result") if isinstance(result, dict) and "result" in result else result
+        return reviewed(task_id, step_id, as_message_text(value))
+    if entry is not None:
+        decision = _review_of(entry)
+        if entry.status == WalStatus.DONE:
+            return reviewed(task_id, step_id, as_message_text(entry.result))
+        if entry.status == WalStatus.SKIPPED:
+            return reviewed(task_id, step_id, "")
+        if entry.status == WalStatus.PENDING:
+            raise Unsettled(entry, step_id, call)  # its outcome is unknown: never told "not executed"
+        if decision is not None and decision.decision == "not_happened":
+            raise Unsettled(entry, step_id, call)  # the reviewer found it did not happen: performed again
+    if step is not None and step.status == StepStatus.SKIPPED:
+        return skipped_text(task_id, step_id, step.error)
+    if superseded(task_id, int(step_id.split("-")[1])):  # tool-TTT-i: a call of turn TTT
+        return SUPERSEDED
+    return NOT_EXECUTED
+
+
+SUPERSEDED = "skipped: superseded by a new user message"
+
+
+def skipped_text(task_id: int, step_id: str, error: str) -> str:
+    """A skipped tool step, told to the model: an operator's Skip step with the operator's
+    reason (from the audit log: the step's error also names who, which the model need not
+    read), otherwise the step's own error (a failure policy, a skipped dependency)."""
+    from ..models import AuditEntry
+
+    audit = (AuditEntry.objects.filter(task_id=task_id, action="task.skip_step", before__step=step_id)
+             .order_by("-id").first())
+    if audit is not None:
+        return f"skipped by an operator: {audit.reason or 'no reason given'}"
+    return error if error.startswith("skipped") else f"skipped: {error or 'no reason recorded'}"
+
+
+def _review_of(entry: WalEntry):
+    """The decided review of an effect in doubt, if a reviewer decided it."""
+    from review.models import ReviewItem, ReviewStatus
+
+    return ReviewItem.objects.filter(wal_entry=entry).exclude(status=ReviewStatus.OPEN).first()
+
+
+def reviewed(task_id: int, step_id: str, text: str) -> str:
+    """`text` (a tool call's result) as the model reads it when a reviewer decided the call's
+    effect in doubt: "happened: …", "did not happen, re-executed: …", "skipped by reviewer: note"."""
+    entry = WalEntry.objects.filter(task_id=task_id, step_id=step_id).order_by("-id").first() if step_id else None
+    decision = _review_of(entry) if entry is not None else None
+    if decision is None:
+        return text
+    if decision.decision == "happened":
+        return f"happened: {text}"
+    if decision.decision == "not_happened":
+        return f"did not happen, re-executed: {text}"
+    if decision.decision == "skip":
+        return f"skipped by reviewer: {decision.note or 'no note'}"
+    return text
 
 
 def latest_turn(task_id: int) -> int:

@@ -523,6 +523,10 @@ class Runner:
         self.flights.pop(step_id, None)
         self.plan.running.discard(step_id)
         extra = {"task_id": self.lease.task_id, "step_id": step_id, "lease_epoch": self.lease.epoch}
+        if future.exception() is not None:
+            # The step will not commit, but the tokens it spent are spent (a stream cut by a Stop,
+            # a failed attempt): counted now, once, and written with the run's outcome.
+            self._tokens_this_run, ctx.tokens_used = self.tokens_this_run() + ctx.tokens_used, 0
         try:
             result = future.result()
         except LeaseLost:

@@ -14,8 +14,9 @@ What this layer adds to `openai.OpenAI`:
 - `max_completion_tokens` is sent; a server that rejects it (HTTP 400 naming the parameter)
   gets `max_tokens` instead, once, and is remembered as such per base URL;
 - its own retry policy (`RetryPolicy`: 429/5xx/unreachable, honouring `Retry-After`, bounded
-  attempts, cancellable waits) instead of the package's, so every retry is logged and a
-  cancellation is not held up by a back-off;
+  attempts, cancellable waits) instead of the package's (created with max_retries=0), so every
+  retry is logged, a cancellation is not held up by a back-off, and the prompt of every
+  attempt the server read is counted (`retry_tokens`, on the Completion and on an LLMError);
 - cancellation: a `CancellationToken` (or any callable returning True when the call should
   stop, polled every 20 ms) shuts the stream's socket at once, so even a read blocked on a
   slow server ends within milliseconds; the partial answer is in `LLMCancelled.partial`;
@@ -112,6 +113,9 @@ class Completion:
     # Tool calls of a partial answer whose arguments were incomplete JSON (not in tool_calls).
     dropped_tool_calls: list[ToolCall] = field(default_factory=list)
     attempts: int = 1
+    # Prompt tokens (estimated) of the earlier attempts of this call that the server took in
+    # before failing (see _Retry.spent): a budget counts every attempt, not only the last.
+    retry_tokens: int = 0
 
     @property
     def partial(self) -> bool:
@@ -150,6 +154,8 @@ class LLMError(Exception):
                  attempts: int = 0, partial: Completion | None = None):
         super().__init__(message)
         self.base_url, self.status_code, self.attempts, self.partial = base_url, status_code, attempts, partial
+        # Prompt tokens (estimated) of the failed attempts the server took in (Completion.retry_tokens).
+        self.retry_tokens = 0
 
 
 class LLMUnavailable(LLMError):
@@ -330,12 +336,20 @@ def retry_after_seconds(headers) -> float | None:
         return None
 
 
-class _Retry(Exception):
-    """Internal: this attempt failed in a way worth another attempt."""
+# Answers that refuse a request before the model reads it: no tokens were spent on them.
+REFUSED_UNREAD = frozenset({429, 503})
 
-    def __init__(self, reason: str, *, status_code: int | None = None, retry_after: float | None = None):
+
+class _Retry(Exception):
+    """Internal: this attempt failed in a way worth another attempt. `spent`: the server may
+    have read the prompt (it answered 500/502/504, timed out, or opened a stream that ended
+    before its first chunk), so the attempt's prompt counts against the budget; a refused
+    connection, a 429 or a 503 spent nothing."""
+
+    def __init__(self, reason: str, *, status_code: int | None = None, retry_after: float | None = None,
+                 spent: bool = True):
         super().__init__(reason)
-        self.reason, self.status_code, self.retry_after = reason, status_code, retry_after
+        self.reason, self.status_code, self.retry_after, self.spent = reason, status_code, retry_after, spent
 
 
 # --- the client ------------------------------------------------------------------------
@@ -400,6 +414,9 @@ class LLMClient:
             request["temperature"] = temperature
         started = time.monotonic()
         attempt = 0
+        # The package's own retries are off (max_retries=0 in __init__): every attempt is made
+        # here, and those the server read are counted (retry_tokens).
+        retry_tokens, prompt_tokens = 0, estimate_prompt_tokens(request["messages"], request.get("tools"))
         try:
             while True:
                 attempt += 1
@@ -410,6 +427,7 @@ class LLMClient:
                     stream = self._open_stream(request, max_tokens_cap, timeout, attempt)
                     completion = self._consume(stream, request, watch, on_token, attempt)
                 except _Retry as retry:
+                    retry_tokens += prompt_tokens if retry.spent else 0
                     delay = self._delay_or_give_up(retry, attempt, model)
                     logger.warning("model call failed, retrying", extra={
                         "llm_base_url": self.base_url, "llm_model": model, "llm_attempt": attempt,
@@ -420,7 +438,7 @@ class LLMClient:
                                            f"after: {retry.reason}.", reason=watch.reason,
                                            base_url=self.base_url, attempts=attempt) from None
                     continue
-                completion.attempts = attempt
+                completion.attempts, completion.retry_tokens = attempt, retry_tokens
                 logger.info("model call finished", extra={
                     "llm_base_url": self.base_url, "llm_model": model, "llm_attempts": attempt,
                     "llm_finish_reason": completion.finish_reason, "llm_tool_calls": len(completion.tool_calls),
@@ -429,6 +447,9 @@ class LLMClient:
                     "llm_usage_estimated": completion.usage.estimated,
                     "llm_duration_ms": round((time.monotonic() - started) * 1000)})
                 return completion
+        except LLMError as exc:
+            exc.retry_tokens = retry_tokens
+            raise
         finally:
             watch.release()
 
@@ -479,13 +500,13 @@ class LLMClient:
                 raise _Retry(f"no answer within {self.connect_timeout} s to connect / "
                              f"{timeout or self.read_timeout} s to respond") from None
             except openai.APIConnectionError as exc:
-                raise _Retry(f"cannot connect: {_root_cause(exc)}") from None
+                raise _Retry(f"cannot connect: {_root_cause(exc)}", spent=False) from None
 
     def _classify_status(self, exc: openai.APIStatusError, model: str, attempt: int) -> Exception:
         status, detail = exc.status_code, _server_message(exc)
         if status in self.retry.retry_statuses:
             return _Retry(f"HTTP {status}: {detail}", status_code=status,
-                          retry_after=retry_after_seconds(exc.response.headers))
+                          retry_after=retry_after_seconds(exc.response.headers), spent=status not in REFUSED_UNREAD)
         if status in (401, 403):
             advice = "check LLM_API_KEY"
         elif status == 404:
@@ -613,15 +634,21 @@ class _Assembly:
                           cancelled=cancelled, dropped_tool_calls=dropped)
 
     def _estimate(self, content: str, calls: list[ToolCall]) -> Usage:
-        prompt_chars = len(json.dumps(self.request["messages"], ensure_ascii=False))
-        prompt_chars += len(json.dumps(self.request.get("tools") or [], ensure_ascii=False))
         completion_chars = len(content) + sum(len(c.name) + len(c.arguments) for c in calls)
-        prompt, completion = estimate_tokens(prompt_chars), estimate_tokens(completion_chars)
+        prompt = estimate_prompt_tokens(self.request["messages"], self.request.get("tools"))
+        completion = estimate_tokens(completion_chars)
         return Usage(prompt, completion, prompt + completion, estimated=True)
 
 
 def estimate_tokens(characters: int) -> int:
     return math.ceil(characters / CHARACTERS_PER_TOKEN) if characters > 0 else 0
+
+
+def estimate_prompt_tokens(messages: Sequence[dict], tools: Sequence[dict] | None = None) -> int:
+    """A request's prompt in tokens, estimated before it is sent (characters / 4): what a
+    budget must have room for besides the completion."""
+    return estimate_tokens(len(json.dumps(list(messages), ensure_ascii=False))
+                           + len(json.dumps(list(tools or []), ensure_ascii=False)))
 
 
 def _names_parameter(exc: openai.APIStatusError, parameter: str) -> bool:

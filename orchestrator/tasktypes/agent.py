@@ -20,12 +20,14 @@ import json
 import logging
 import time
 import uuid
+from contextlib import contextmanager
 
+from django.db import transaction
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..agent import history, toolbox
 from ..llm import LLMCancelled, LLMClient, LLMStreamCut
-from ..llm.client import estimate_tokens
+from ..llm.client import estimate_prompt_tokens, estimate_tokens
 from ..models import AgentMessage, WalEntry
 from . import register
 from .base import StepSpec, TaskType
@@ -66,6 +68,18 @@ class AgentParams(BaseModel):
         if unknown:
             raise ValueError(f"unknown tools {unknown}; the tools are: {', '.join(toolbox.TOOLS)}")
         return list(dict.fromkeys(names))
+
+
+@contextmanager
+def fenced(ctx):
+    """A dialog write, fenced by the lease like every other durable write (engine/lease.py):
+    a runner whose lease went stale (presumed dead, the task claimed again) gets LeaseLost and
+    writes nothing — it can neither add to nor overwrite the new holder's dialog."""
+    from ..engine.lease import lock_fenced
+
+    with transaction.atomic():
+        lock_fenced(ctx.lease)
+        yield
 
 
 def turn_id(turn: int) -> str:
@@ -170,49 +184,65 @@ class PlanExecuteAgent(TaskType):
             raise LimitExceeded("max_tokens")
         if turn == 1:
             self._write_opening(ctx)
-        messages = history.messages_for_turn(ctx.task_id, turn)
+        messages = self._history(ctx, turn)
         offered = [toolbox.TOOLS[name].schema() for name in p.tools]
+        # The prompt is spent too: a call starts only when the budget holds its prompt and at
+        # least MIN_CALL_TOKENS of answer, and its answer is capped to what is left after the prompt.
+        prompt = estimate_prompt_tokens(messages, offered)
+        if remaining < prompt + MIN_CALL_TOKENS:
+            raise LimitExceeded("max_tokens")
         # The attempt is a row before the first token: if this process is killed mid-stream,
         # the next attempt finds what had streamed (kept, and its tokens counted, estimated).
-        attempt = AgentMessage.objects.create(
-            task_id=ctx.task_id, turn=turn, order=0, role=AgentMessage.Role.ASSISTANT, interrupted=True,
-            accounted=False, tokens_estimated=True, step_id=ctx.step_id, generation=ctx.generation,
-            key=f"{ctx.step_id}:g{ctx.generation}:attempt:{uuid.uuid4().hex[:12]}",
-            prompt_tokens=estimate_tokens(len(json.dumps(messages)) + len(json.dumps(offered))))
+        with fenced(ctx):
+            attempt = AgentMessage.objects.create(
+                task_id=ctx.task_id, turn=turn, order=0, role=AgentMessage.Role.ASSISTANT, interrupted=True,
+                accounted=False, tokens_estimated=True, step_id=ctx.step_id, generation=ctx.generation,
+                key=f"{ctx.step_id}:g{ctx.generation}:attempt:{uuid.uuid4().hex[:12]}", prompt_tokens=prompt)
         stream = _PageStream(ctx, turn, attempt)
         client = LLMClient.from_settings()
         try:
             completion = client.chat(messages, tools=offered or None, model=p.model or None,
-                                     temperature=p.temperature, max_tokens_cap=min(p.max_tokens_per_call, remaining),
+                                     temperature=p.temperature,
+                                     max_tokens_cap=min(p.max_tokens_per_call, remaining - prompt),
                                      on_token=stream.add, cancel=ctx.interrupt_requested)
         except (LLMCancelled, LLMStreamCut) as exc:
+            # Counted now, whatever comes next: a Stop ends the task without another attempt.
             stream.flush()
-            self._keep_interrupted(attempt, exc)
+            self._keep_interrupted(ctx, attempt, exc)
             raise
-        except Exception:
-            attempt.delete()  # nothing streamed (the server refused or was away): nothing to keep or count
+        except Exception as exc:
+            # Nothing streamed (the server refused or was away): nothing to keep; the attempts
+            # the server read are counted all the same.
+            with fenced(ctx):
+                attempt.delete()
+            ctx.use_tokens(getattr(exc, "retry_tokens", 0))
             raise
         finally:
             client.close()
         stream.flush()
-        attempt.delete()  # complete: its usage is the completion's
-        earlier = self._account_interrupted(ctx, turn)
-        ctx.use_tokens(completion.usage.total_tokens + earlier)
         calls = [{"id": c.id, "name": c.name, "arguments": c.arguments, "step": tool_step_id(turn, i)}
                  for i, c in enumerate(completion.tool_calls, start=1)]
-        AgentMessage.objects.update_or_create(task_id=ctx.task_id, key=f"{ctx.step_id}:g{ctx.generation}", defaults={
-            "turn": turn, "order": 0, "role": AgentMessage.Role.ASSISTANT, "content": completion.content,
-            "tool_calls": calls, "prompt_tokens": completion.usage.prompt_tokens,
-            "completion_tokens": completion.usage.completion_tokens, "tokens_estimated": completion.usage.estimated,
-            "step_id": ctx.step_id, "generation": ctx.generation})
+        with fenced(ctx):
+            attempt.delete()  # complete: its usage is the completion's
+            earlier = self._account_interrupted(ctx, turn)
+            AgentMessage.objects.update_or_create(task_id=ctx.task_id, key=f"{ctx.step_id}:g{ctx.generation}",
+                                                  defaults={
+                "turn": turn, "order": 0, "role": AgentMessage.Role.ASSISTANT, "content": completion.content,
+                "tool_calls": calls, "prompt_tokens": completion.usage.prompt_tokens,
+                "completion_tokens": completion.usage.completion_tokens,
+                "tokens_estimated": completion.usage.estimated, "step_id": ctx.step_id, "generation": ctx.generation})
+        ctx.use_tokens(completion.usage.total_tokens + completion.retry_tokens + earlier)
         if calls:
             steps = [StepSpec(c["step"], title=f"{c['name']} ({c['id']})", depends_on=(ctx.step_id,)) for c in calls]
+            # The next turn runs even when an operator skips one of these calls: the model is told
+            # so ("skipped by an operator: <reason>", history.skipped_text) and decides again.
             ctx.add_steps(*steps, StepSpec(turn_id(turn + 1), title=f"Turn {turn + 1}", reads=TURN_READS,
-                                           depends_on=tuple(s.id for s in steps)))
+                                           depends_on=tuple(s.id for s in steps), runs_after_skipped=True))
         return {"turn": turn, "content": completion.content, "tool_calls": calls,
                 "finish_reason": completion.finish_reason, "model": completion.model,
                 "usage": {"prompt": completion.usage.prompt_tokens, "completion": completion.usage.completion_tokens,
-                          "estimated": completion.usage.estimated, "earlier_interrupted_attempts": earlier},
+                          "estimated": completion.usage.estimated, "earlier_interrupted_attempts": earlier,
+                          "retried_attempts": completion.retry_tokens},
                 "final": not calls}
 
     def _write_opening(self, ctx) -> None:
@@ -220,20 +250,57 @@ class PlanExecuteAgent(TaskType):
         for key, order, role, content in (("system", 0, AgentMessage.Role.SYSTEM,
                                             p.system_prompt or DEFAULT_SYSTEM_PROMPT),
                                            ("goal", 1, AgentMessage.Role.USER, p.goal)):
-            AgentMessage.objects.update_or_create(task_id=ctx.task_id, key=f"{key}:g{ctx.generation}", defaults={
-                "turn": 0, "order": order, "role": role, "content": content, "step_id": ctx.step_id,
-                "generation": ctx.generation})
+            with fenced(ctx):
+                AgentMessage.objects.update_or_create(task_id=ctx.task_id, key=f"{key}:g{ctx.generation}", defaults={
+                    "turn": 0, "order": order, "role": role, "content": content, "step_id": ctx.step_id,
+                    "generation": ctx.generation})
 
-    def _keep_interrupted(self, attempt: AgentMessage, exc) -> None:
-        """The partial answer of a cut or cancelled stream: kept, flagged, its tokens counted
-        (estimated when no usage came) by the attempt that completes the turn."""
+    def _history(self, ctx, turn: int) -> list[dict]:
+        """The request's messages, every dangling tool call answered from the durable record;
+        a call whose effect is unsettled goes through the WAL first (history.Unsettled)."""
+        settled: dict[str, str] = {}
+        while True:
+            try:
+                return history.messages_for_turn(ctx.task_id, turn, settled)
+            except history.Unsettled as unsettled:
+                settled[unsettled.step_id] = self._settle(ctx, unsettled)
+
+    def _settle(self, ctx, unsettled) -> str:
+        """Perform a dangling call's effect again through the WAL, as its own tool step would
+        (same step id and generation, so the same idempotency key; its `done` commits with this
+        turn): an idempotent intent is replayed, one a reviewer found did not happen is
+        performed again. A non-idempotent intent whose outcome is unknown is never replayed:
+        the task goes to review first, and the reviewer's decision becomes the call's result."""
+        from ..engine import wal
+        from ..engine.context import StepContext
+
+        entry, call = unsettled.entry, unsettled.call
+        if entry.status == "pending" and not entry.idempotent:
+            raise wal.AmbiguousEffect(entry, reason=(
+                f"The model's {call['name']} call ({call['id']}) has no result and its {entry.tool} intent is still "
+                f"pending: whether it happened is unknown. Your decision is what the model is told."))
+        step_part = entry.idempotency_key.split(":")[1]
+        generation = int(step_part.rsplit("@", 1)[1]) if "@" in step_part else 0
+        replay = StepContext(task_id=ctx.task_id, step_id=unsettled.step_id, params=ctx.params._params, deps={},
+                             lease=ctx.lease, token=ctx.token, generation=generation)
+        ok, result = toolbox.call(replay, call["name"], call["arguments"], ctx.params.tools)
+        ctx.completed_effects.extend(replay.completed_effects)
+        return history.reviewed(ctx.task_id, unsettled.step_id, toolbox.as_message_text(result))
+
+    def _keep_interrupted(self, ctx, attempt: AgentMessage, exc) -> None:
+        """The partial answer of a cut or cancelled stream: kept, flagged, and its tokens
+        counted at once (estimated when no usage came), with this turn's earlier attempts and
+        the retried attempts the server read — a Stop may end the task before any other attempt."""
         partial = exc.partial
         if partial is not None:
             attempt.content = partial.content or attempt.content
             attempt.prompt_tokens = partial.usage.prompt_tokens or attempt.prompt_tokens
             attempt.completion_tokens = partial.usage.completion_tokens
             attempt.tokens_estimated = partial.usage.estimated
-        attempt.save()
+        with fenced(ctx):
+            attempt.save()
+            tokens = self._account_interrupted(ctx, attempt.turn)
+        ctx.use_tokens(tokens + exc.retry_tokens)
         log.info("agent turn interrupted: partial answer kept",
                  extra={"task_id": attempt.task_id, "step_id": attempt.step_id})
 
@@ -254,7 +321,7 @@ class PlanExecuteAgent(TaskType):
         gate = (toolbox.needs_approval(call["name"], arguments, require=p.require_approval, waived=p.approval_waived)
                 if call["name"] in p.tools else "")
         if not started and history.superseded(ctx.task_id, turn):
-            ok, result = False, "skipped: superseded by a new user message"
+            ok, result = False, history.SUPERSEDED
         elif gate:
             # A reviewer decides in the review queue; the task waits holding no worker. (After a
             # crash the step asks again: the same item, and its decision event is still pending.)
@@ -267,10 +334,14 @@ class PlanExecuteAgent(TaskType):
                 ok, result = False, f"rejected by the reviewer: {decision.get('note') or 'no reason given'}"
         else:
             ok, result = toolbox.call(ctx, call["name"], call["arguments"], p.tools)
-        text = toolbox.as_message_text(result)
-        AgentMessage.objects.update_or_create(task_id=ctx.task_id, key=f"{ctx.step_id}:g{ctx.generation}", defaults={
-            "turn": turn, "order": index, "role": AgentMessage.Role.TOOL, "content": text,
-            "tool_call_id": call["id"], "name": call["name"], "step_id": ctx.step_id, "generation": ctx.generation})
+        # A reviewer's decision on this call's effect in doubt is what the model reads ("happened: …").
+        text = history.reviewed(ctx.task_id, ctx.step_id, toolbox.as_message_text(result))
+        with fenced(ctx):
+            AgentMessage.objects.update_or_create(task_id=ctx.task_id, key=f"{ctx.step_id}:g{ctx.generation}",
+                                                  defaults={
+                "turn": turn, "order": index, "role": AgentMessage.Role.TOOL, "content": text,
+                "tool_call_id": call["id"], "name": call["name"], "step_id": ctx.step_id,
+                "generation": ctx.generation})
         return {"tool_call_id": call["id"], "name": call["name"], "ok": ok, "result": result}
 
 
@@ -302,6 +373,7 @@ class _PageStream:
         text, self.pending, self.sent_at = "".join(self.pending), [], time.monotonic()
         self.attempt.content += text
         self.attempt.completion_tokens = estimate_tokens(len(self.attempt.content))
-        AgentMessage.objects.filter(pk=self.attempt.pk).update(content=self.attempt.content,
-                                                               completion_tokens=self.attempt.completion_tokens)
-        self.ctx.progress("agent.stream", turn=self.turn, text=text)
+        with fenced(self.ctx):  # one commit: the kept text and the piece sent to the page
+            AgentMessage.objects.filter(pk=self.attempt.pk).update(content=self.attempt.content,
+                                                                   completion_tokens=self.attempt.completion_tokens)
+            self.ctx.progress("agent.stream", turn=self.turn, text=text)
