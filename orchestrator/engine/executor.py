@@ -6,7 +6,9 @@ The worker process (a django-q2 worker) is the *watchdog*: it forks the executor
 a child subreaper (orphaned grandchildren are re-parented to it, so none escapes), polls
 the task's control column, kills the whole tree on Force-terminate (or when a Stop
 outlives its grace period), and notices at once when the executor dies (kill -9, OOM):
-the task is handed to recovery without waiting for its heartbeat to go stale.
+the task is handed to recovery without waiting for its heartbeat to go stale. When the worker
+itself dies, the executor dies with it, and a session keeper kills what the executor had
+started (processes.SessionKeeper).
 """
 import logging
 import os
@@ -57,7 +59,13 @@ def run_isolated(lease: Lease) -> str:
                 telemetry.flush()  # os._exit skips the exporter's atexit hook
             finally:
                 os._exit(code)
-    return Watchdog(lease, pid).watch()
+    # If this worker dies (kill -9, OOM), the executor dies with it (die_with_parent) and
+    # the keeper kills what the executor started, wherever it was re-parented (processes.py).
+    keeper = processes.SessionKeeper(pid)
+    try:
+        return Watchdog(lease, pid).watch()
+    finally:
+        keeper.release()
 
 
 class Watchdog:

@@ -3,6 +3,17 @@ nothing running — including grandchildren that started their own sessions.
 
 The worker process makes itself a *child subreaper*: a descendant whose parent dies is
 re-parented to the worker (not to init), so it stays findable in the worker's tree.
+
+That covers an executor that dies while its worker lives. When the worker itself dies
+(kill -9, OOM), the executor dies with it (PR_SET_PDEATHSIG) but its subprocesses, and
+theirs, are re-parented to init, out of every tree we know. A *session keeper* covers that
+case: a tiny process forked by the worker beside each executor, holding one end of a pipe
+whose other end only the worker holds. The executor runs in a session of its own, and its
+subprocesses stay in that session (their own process groups, not their own sessions), so
+when the pipe breaks (the worker is gone) the keeper kills every process of that session,
+wherever it was re-parented. A descendant that starts a session of its own (a daemonizing
+script) escapes it; the sandbox's bubblewrap does too, and dies with its parent by itself
+(--die-with-parent).
 """
 import ctypes
 import os
@@ -10,8 +21,10 @@ import signal
 import time
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True)
+_keepers: set[int] = set()  # this process's session keepers: kill_tree leaves them to finish their job
 
 
 def _prctl(option: int, value: int) -> None:
@@ -28,16 +41,32 @@ def die_with_parent() -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _stat(pid: int) -> tuple[int, str] | None:
-    """(ppid, state) of a process, or None if it is gone."""
+def _fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first), or None if gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             data = f.read()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     # The command name may hold spaces and parentheses: fields start after the last ')'.
-    fields = data[data.rindex(")") + 2:].split()
-    return int(fields[1]), fields[0]
+    return data[data.rindex(")") + 2:].split()
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(ppid, state) of a process, or None if it is gone."""
+    fields = _fields(pid)
+    return None if fields is None else (int(fields[1]), fields[0])
+
+
+def session_members(sid: int) -> list[int]:
+    """Living (non-zombie) processes of session `sid`."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _fields(int(entry))
+            if fields and fields[0] != "Z" and int(fields[3]) == sid:
+                members.append(int(entry))
+    return members
 
 
 def descendants(root: int) -> list[int]:
@@ -79,10 +108,25 @@ def kill_tree(root: int, *, include_root: bool = True, timeout: float = 2.0) -> 
     Stopping them first (SIGSTOP) keeps a process from forking new children between the
     scan and the kill.
     """
+    def targets() -> list[int]:
+        found = ([root] if include_root and alive(root) else []) + descendants(root)
+        return [pid for pid in found if pid not in _keepers]
+
+    killed = _kill_until_gone(targets, timeout)
+    reap_children()
+    return killed
+
+
+def kill_session(sid: int, *, timeout: float = 2.0) -> list[int]:
+    """SIGKILL every process of session `sid` until none is left; returns the pids killed."""
+    return _kill_until_gone(lambda: [pid for pid in session_members(sid) if pid != os.getpid()], timeout)
+
+
+def _kill_until_gone(find, timeout: float) -> list[int]:
     killed: list[int] = []
     deadline = time.monotonic() + timeout
     while True:
-        targets = ([root] if include_root and alive(root) else []) + descendants(root)
+        targets = find()
         if not targets:
             break
         for sig in (signal.SIGSTOP, signal.SIGKILL):
@@ -96,5 +140,70 @@ def kill_tree(root: int, *, include_root: bool = True, timeout: float = 2.0) -> 
         if time.monotonic() > deadline:
             break
         time.sleep(0.01)
-    reap_children()
     return killed
+
+
+class SessionKeeper:
+    """Kills every process of session `sid` (an executor's) if this process dies without
+    releasing it first (see the module doc). Start it after forking the executor, so that
+    the executor never holds the pipe's worker end.
+
+        keeper = SessionKeeper(executor_pid)
+        try: ... watch the executor ...
+        finally: keeper.release()
+    """
+
+    RELEASED = b"r"
+
+    def __init__(self, sid: int):
+        read_end, self._write_end = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            _keep(sid, read_end)  # never returns
+        os.close(read_end)
+        _keepers.add(self.pid)
+
+    def release(self) -> None:
+        """This process is done with the session (it killed what was left): the keeper exits
+        without touching anything."""
+        try:
+            os.write(self._write_end, self.RELEASED)
+        finally:
+            os.close(self._write_end)
+        deadline = time.monotonic() + 2.0
+        try:
+            while os.waitpid(self.pid, os.WNOHANG)[0] == 0:
+                if time.monotonic() > deadline:
+                    os.kill(self.pid, signal.SIGKILL)
+                    os.waitpid(self.pid, 0)
+                    break
+                time.sleep(0.005)
+        except ChildProcessError:  # already collected (reap_children)
+            pass
+        _keepers.discard(self.pid)
+
+
+def _keep(sid: int, read_end: int) -> None:
+    """The keeper's life: wait for the worker's word or its death; on its death, kill the session."""
+    code = 0
+    try:
+        os.setsid()  # out of the worker's process group: a Ctrl-C to it does not reach the keeper
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # Hold nothing of the worker's (its broker and database sockets, its queues' pipes,
+        # the pipe's write end): only the read end, so that the worker's death reads as EOF.
+        os.closerange(3, read_end)
+        os.closerange(read_end + 1, os.sysconf("SC_OPEN_MAX"))
+        _libc.prctl(PR_SET_NAME, ctypes.c_char_p(b"orch-keeper"), 0, 0, 0)  # what ps shows
+        while True:
+            try:
+                word = os.read(read_end, 1)
+                break
+            except InterruptedError:
+                continue
+        if word != SessionKeeper.RELEASED:  # EOF: the worker died holding the session
+            kill_session(sid)
+    except BaseException:
+        code = 1
+    finally:
+        os._exit(code)

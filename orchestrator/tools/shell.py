@@ -1,6 +1,8 @@
 """shell.run: a subprocess in its own process group, killed (the whole group) when the
-step's token is cancelled, so no descendant survives a Stop. Idempotent only when the
-caller says the command is (`"idempotent": true`, e.g. a stage that rewrites its output).
+step's token is cancelled, so no descendant survives a Stop; and in the executor's session,
+so none survives the death of its worker either (engine/processes.py, SessionKeeper).
+Idempotent only when the caller says the command is (`"idempotent": true`, e.g. a stage that
+rewrites its output).
 
 Two kinds of command:
 - `"sandbox": true` (the agent's shell_run, the model's commands): under bubblewrap with no
@@ -65,11 +67,14 @@ def clean_environment(extra: dict | None = None) -> dict:
 
 @contextmanager
 def process_group(argv: list[str], *, token, label: str | None = None, **popen_args) -> Iterator[subprocess.Popen]:
-    """Start argv in a new session (its own process group) tracked on the token (as `label`,
+    """Start argv in its own process group tracked on the token (as `label`,
     what the task page shows running): cancelling the token kills the whole group, and so
     does leaving the block while it still runs."""
     token.raise_if_cancelled()
-    proc = subprocess.Popen(argv, start_new_session=True, **popen_args)
+    # Its own process group (killed as one), but in the executor's session: when the worker
+    # and its executor die, the session keeper finds every descendant by that session
+    # (engine/processes.py), wherever it was re-parented.
+    proc = subprocess.Popen(argv, process_group=0, **popen_args)
     with token.track("subprocess", f"pid {proc.pid}: {(label or ' '.join(argv))[:150]}"):
         # Killing takes up to TERM_GRACE_SECONDS: do it off the cancelling thread (the
         # runner's supervisor), which must keep heartbeating and reporting.

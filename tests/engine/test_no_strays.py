@@ -1,0 +1,86 @@
+"""No process outlives its executor: a step's subprocess and the processes *it* starts are
+killed when the executor dies (kill -9), and when the worker watching it dies (kill -9)."""
+import os
+import signal
+import uuid
+
+import pytest
+
+from orchestrator.engine import processes, services
+from orchestrator.models import Task
+from tests.conftest import wait_for
+from tests.support.straytypes import MARK_VARIABLE
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.workers]
+
+TYPES = "tests.support.straytypes"
+
+
+def start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rindex(")") + 2:].split()
+    return None if fields[0] == "Z" else fields[19]
+
+
+def marked(mark: str) -> dict[int, str]:
+    """Living processes with the mark in their environment: pid -> start time."""
+    needle = f"{MARK_VARIABLE}={mark}".encode()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environment = f.read().split(b"\0")
+        except OSError:
+            continue
+        if needle in environment:
+            started = start_time(int(entry))
+            if started:
+                found[int(entry)] = started
+    return found
+
+
+def still_alive(tree: dict[int, str]) -> list[int]:
+    """Which processes of `tree` (pid -> start time) are alive (the same process, not a reused pid)."""
+    return [pid for pid, started in tree.items() if start_time(pid) == started]
+
+
+@pytest.fixture
+def mark():
+    value = f"stray-{uuid.uuid4().hex}"
+    yield value
+    for pid in marked(value):  # whatever a failing run left
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def running_tree(mark: str, settings, start_workers):
+    settings.ORCH_EXTRA_TASK_TYPES = [TYPES]
+    cluster = start_workers(1, ORCH_EXTRA_TASK_TYPES=TYPES)
+    task = services.task_create(type="test.strays", params={"mark": mark})
+    tree = wait_for(lambda: (lambda found: found if len(found) >= 4 else None)(marked(mark)), timeout=60,
+                    message="the step's process tree (4 processes) to run")
+    executor = Task.objects.get(pk=task.pk).worker_pid
+    assert executor and processes.alive(executor)
+    return cluster, task, executor, tree
+
+
+@pytest.mark.parametrize("victim", ["executor", "worker"])
+def test_a_killed_executor_or_worker_leaves_no_process_behind(victim, mark, settings, start_workers):
+    cluster, task, executor, tree = running_tree(mark, settings, start_workers)
+    if victim == "worker":
+        worker = processes._stat(executor)[0]
+        assert worker in cluster.worker_pids()
+        os.kill(worker, signal.SIGKILL)
+    else:
+        os.kill(executor, signal.SIGKILL)
+    # The task runs again (its step starts a new tree); the old tree must be gone.
+    wait_for(lambda: not still_alive(tree), timeout=10,
+             message=f"the killed {victim}'s processes to go: {still_alive(tree)} of {sorted(tree)} still alive")
