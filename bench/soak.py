@@ -45,8 +45,9 @@ each of which must be 0:
   minus copies a reviewer's not_happened explains (one that arrived before the decision);
 - stray: processes of this run still alive after shutdown (by environment marker, by
   `pgrep -f` for pipeline stage scripts, and by process tree: this script is a child
-  subreaper, so orphans are re-parented to it), and processes of a cluster still alive once
-  its orderly stop (stop_cluster) is over;
+  subreaper, so orphans are re-parented to it), processes of a cluster still alive once
+  its orderly stop (stop_cluster) is over, and processes of a killed executor, worker or
+  cluster (its process tree just before the kill) still alive KILL_STRAY_SECONDS after it;
 - stuck: tasks not in a final state.
 Exit status 1 if any invariant is not 0.
 
@@ -101,6 +102,7 @@ RANDOM_KINDS = {  # weights of the randomly chosen faults; the restarts are sche
 SMTP_MODES = {"smtp_drop_after_data": "drop_after_data", "smtp_reply_late": "reply_late",
               "kill_executor_mid_send": "kill_mid_send", "kill_executor_before_data": "kill_before_data"}
 SCHEDULED_KINDS = ("pg_restart", "redis_restart")
+KILL_STRAY_SECONDS = 3.0  # what a kill -9 left of its victim's tree must be gone by then
 ALL_KINDS = (*RANDOM_KINDS, *SCHEDULED_KINDS)
 
 
@@ -155,6 +157,32 @@ class Marker:
 
 def children_of(pid: int) -> list[int]:
     return [p for p in all_pids() if (proc_stat(p) or (None,))[0] == pid]
+
+
+def start_time(pid: int) -> str | None:
+    """When a living process started (clock ticks after boot): tells it from a reused pid."""
+    data = read_proc(pid, "stat").decode(errors="replace")
+    if not data:
+        return None
+    fields = data[data.rindex(")") + 2:].split()
+    return None if fields[0] == "Z" else fields[19]
+
+
+def tree_of(root: int) -> dict[int, str]:
+    """`root` and its living descendants: pid -> start time."""
+    children: dict[int, list[int]] = {}
+    for pid in all_pids():
+        stat = proc_stat(pid)
+        if stat:
+            children.setdefault(stat[0], []).append(pid)
+    tree, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        started = start_time(pid)
+        if started:
+            tree[pid] = started
+        frontier.extend(children.get(pid, []))
+    return tree
 
 
 class Managed:
@@ -287,6 +315,8 @@ class Soak:
         self.down_clusters: dict[int, float] = {}  # index -> restart time
         self.stopping: dict[int, float] = {}  # index -> when an orderly stop (SIGINT) gives up
         self.stop_strays: dict[int, str] = {}  # processes an orderly cluster stop left behind
+        self.kill_strays: dict[int, str] = {}  # processes a kill -9 of their executor/worker/cluster left behind
+        self.kill_watches: list[tuple[float, str, dict[int, str]]] = []  # (check at, fault, tree before the kill)
         self.run_dir = Path(tempfile.mkdtemp(prefix="orch-soak-"))
         self.marker = Marker()
 
@@ -428,15 +458,43 @@ class Soak:
         return self.db(lambda: list(Task.objects.filter(status="running", worker_pid__isnull=False)
                                     .exclude(lease_owner="").values_list("pk", "worker_pid")))
 
-    def kill(self, pid: int) -> bool:
-        """SIGKILL a process of this run (never anything else)."""
+    def kill(self, pid: int, *, fault: str | None = None) -> bool:
+        """SIGKILL a process of this run (never anything else). With `fault`, its process tree
+        is watched: whatever of it is alive KILL_STRAY_SECONDS later is a stray."""
         if not self.marker.on(pid):
             return False
+        tree = tree_of(pid) if fault else {}
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             return False
+        if fault:
+            self.watch_tree(fault, tree)
         return True
+
+    def watch_tree(self, fault: str, tree: dict[int, str]) -> None:
+        self.kill_watches.append((time.monotonic() + KILL_STRAY_SECONDS, fault, tree))
+
+    def check_kill_watches(self, *, all_of_them: bool = False) -> None:
+        """Trees of killed processes whose time is up: note (and kill) what is still alive."""
+        now = time.monotonic()
+        for watch in list(self.kill_watches):
+            check_at, fault, tree = watch
+            if check_at > now and not all_of_them:
+                continue
+            if check_at > now:
+                time.sleep(check_at - now)
+                now = time.monotonic()
+            self.kill_watches.remove(watch)
+            for pid, started in tree.items():
+                if start_time(pid) != started:
+                    continue  # gone (or its pid reused by another process)
+                command = read_proc(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace")[:200]
+                self.kill_strays[pid] = f"alive {KILL_STRAY_SECONDS:g} s after {fault}: {command}"
+                try:
+                    os.kill(pid, signal.SIGKILL)  # it was in this run's tree (same start time): ours
+                except ProcessLookupError:
+                    pass
 
     def inject(self, kind: str) -> bool:
         """Try one fault; False when it had nothing to act on."""
@@ -445,14 +503,14 @@ class Soak:
             self.rng.shuffle(running)
             if os.environ.get("SOAK_DEBUG"):
                 log(f"kill_executor: running {running}, marked {[self.marker.on(p) for _, p in running]}")
-            return any(self.kill(pid) for _, pid in running)
+            return any(self.kill(pid, fault=kind) for _, pid in running)
         if kind == "kill_worker":
             running = self.running_tasks()
             self.rng.shuffle(running)
             workers = {p for c in self.clusters if c.alive() for p in c.workers()}
             for _, pid in running:
                 parent = (proc_stat(pid) or (None,))[0]
-                if parent in workers and self.kill(parent):
+                if parent in workers and self.kill(parent, fault=kind):
                     return True
             return False
         if kind == "kill_cluster":
@@ -461,7 +519,9 @@ class Soak:
                     not all(len(c.workers()) >= self.opts.workers for c in self.clusters):
                 return False
             index = self.rng.randrange(len(self.clusters))
+            tree = tree_of(self.clusters[index].proc.pid)
             self.clusters[index].kill()
+            self.watch_tree(kind, tree)
             self.down_clusters[index] = time.monotonic() + self.rng.uniform(0.5, 3.0)
             return True
         if kind == "stop_cluster":
@@ -519,7 +579,7 @@ class Soak:
             task_id = self.rcpt_task.get(address)
             pids = self.db(lambda: list(Task.objects.filter(pk=task_id, status="running")
                                         .values_list("worker_pid", flat=True))) if task_id else []
-            if pids and pids[0] and self.kill(pids[0]):
+            if pids and pids[0] and self.kill(pids[0], fault=kind):
                 self.fault(kind)
             else:
                 self.notes[f"{kind}: sender not found running (not counted)"] += 1
@@ -640,6 +700,7 @@ class Soak:
             self.kill_senders()
             self.restart_clusters()
             self.reap_orphans()
+            self.check_kill_watches()
             if time.monotonic() - last_progress > 0.5:
                 self.keep_tasks_coming(elapsed)
                 last_progress = time.monotonic()
@@ -702,6 +763,7 @@ class Soak:
             self.kill_senders()  # what was armed before the disarm still fires once
             self.restart_clusters()
             self.reap_orphans()
+            self.check_kill_watches()
             statuses = self.db(lambda: set(Task.objects.exclude(status__in=TERMINAL).values_list("status", flat=True)))
             if not statuses:
                 break
@@ -730,7 +792,8 @@ class Soak:
             except subprocess.TimeoutExpired:
                 self.notes["processes still running 20 s after SIGINT (killed)"] += 1
         time.sleep(1.0)  # what a shut-down worker leaves must be gone by now
-        self.strays = {**self.stop_strays, **self.find_strays()}
+        self.check_kill_watches(all_of_them=True)
+        self.strays = {**self.stop_strays, **self.kill_strays, **self.find_strays()}
         for proc in [*self.clusters, self.sweeper]:
             proc.kill()
         for pid in self.strays:
@@ -846,7 +909,7 @@ class Soak:
             "duplicated_breakdown": {"by_key": dup_by_key, "by_task_recipient": dup_by_recipient,
                                      "explained_by_not_happened": explained},
             "duplicated_detail": dup_detail,
-            "stray": len(self.strays), "stray_detail": [f"{pid}: {cmd}" for pid, cmd in self.strays.items()][:20],
+            "stray": len(self.strays), "stray_after_kills": len(self.kill_strays), "stray_detail": [f"{pid}: {cmd}" for pid, cmd in self.strays.items()][:20],
             "stuck": len(stuck), "stuck_detail": [f"task {t['pk']} ({t['type']}) {t['status']}: "
                                                   f"{t['status_reason'][:200]}" for t in stuck][:20],
         }
@@ -882,7 +945,8 @@ class Soak:
         b = v["duplicated_breakdown"]
         print(f"  duplicated  {v['duplicated']:5}   by X-Idempotency-Key {b['by_key']}, by (task, recipient) "
               f"{b['by_task_recipient']}, explained by not_happened decisions {b['explained_by_not_happened']}")
-        print(f"  stray       {v['stray']:5}")
+        print(f"  stray       {v['stray']:5}   of which alive {KILL_STRAY_SECONDS:g} s after a kill -9 of their "
+              f"executor, worker or cluster: {v['stray_after_kills']}")
         print(f"  stuck       {v['stuck']:5}")
         for name in ("lost", "duplicated", "stray", "stuck"):
             for line in v[f"{name}_detail"]:

@@ -168,6 +168,8 @@ class SessionKeeper:
         without touching anything."""
         try:
             os.write(self._write_end, self.RELEASED)
+        except BrokenPipeError:  # the keeper was killed (by hand): nothing to tell it
+            pass
         finally:
             os.close(self._write_end)
         deadline = time.monotonic() + 2.0
@@ -195,12 +197,7 @@ def _keep(sid: int, read_end: int) -> None:
         os.closerange(3, read_end)
         os.closerange(read_end + 1, os.sysconf("SC_OPEN_MAX"))
         _libc.prctl(PR_SET_NAME, ctypes.c_char_p(b"orch-keeper"), 0, 0, 0)  # what ps shows
-        while True:
-            try:
-                word = os.read(read_end, 1)
-                break
-            except InterruptedError:
-                continue
+        word = os.read(read_end, 1)  # blocks until the worker's word or its death
         if word != SessionKeeper.RELEASED:  # EOF: the worker died holding the session
             kill_session(sid)
     except BaseException:

@@ -84,3 +84,53 @@ def test_a_killed_executor_or_worker_leaves_no_process_behind(victim, mark, sett
     # The task runs again (its step starts a new tree); the old tree must be gone.
     wait_for(lambda: not still_alive(tree), timeout=10,
              message=f"the killed {victim}'s processes to go: {still_alive(tree)} of {sorted(tree)} still alive")
+
+
+# --- the session keeper alone (no workers) ----------------------------------------------------
+
+KEEPING_WORKER = """
+import subprocess, sys, time
+from orchestrator.engine import processes
+leader = subprocess.Popen(["sh", "-c", sys.argv[1]], start_new_session=True)  # stands for the executor
+keeper = processes.SessionKeeper(leader.pid)
+print(leader.pid, keeper.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_keeper_kills_the_session_when_its_worker_dies(mark):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    from tests.support.straytypes import TREE
+
+    worker = subprocess.Popen([sys.executable, "-c", KEEPING_WORKER, TREE], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, MARK_VARIABLE: mark})
+    try:
+        leader, keeper = map(int, worker.stdout.readline().split())
+        tree = wait_for(lambda: (lambda found: found if len(found) >= 5 else None)(marked(mark)), timeout=10,
+                        message="the worker, the leader and its tree")
+        assert processes.session_members(leader)
+        os.kill(worker.pid, signal.SIGKILL)  # the worker dies holding the session
+        wait_for(lambda: not processes.session_members(leader), timeout=10, message="the session to be killed")
+        wait_for(lambda: not processes.alive(keeper), timeout=10, message="the keeper to exit")
+        assert set(still_alive(tree)) <= {worker.pid}  # (a zombie until this test reaps it)
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_a_released_keeper_leaves_the_session_alone(mark):
+    import subprocess
+
+    leader = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        keeper = processes.SessionKeeper(leader.pid)
+        assert processes.alive(keeper.pid)
+        keeper.release()
+        assert not processes.alive(keeper.pid)
+        assert leader.poll() is None and processes.session_members(leader.pid) == [leader.pid]
+    finally:
+        leader.kill()
+        leader.wait()
