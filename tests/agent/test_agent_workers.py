@@ -43,7 +43,9 @@ def test_pause_mid_stream_keeps_the_partial_answer_and_resume_continues_from_the
     assert time.monotonic() - asked < 2.5
     task = Task.objects.get(pk=task.pk)
     [partial] = AgentMessage.objects.filter(task=task, role="assistant", interrupted=True)
-    assert partial.content and partial.tokens_estimated and not partial.accounted
+    # Its tokens were counted at the pause (a Stop instead would end the task with no other attempt).
+    assert partial.content and partial.tokens_estimated and partial.accounted
+    assert task.tokens_used == partial.prompt_tokens + partial.completion_tokens
     first = model.requests[-1].body["messages"]
     services.task_resume(task_id=task.pk)
     task = settle(task.pk, timeout=60)
@@ -53,11 +55,12 @@ def test_pause_mid_stream_keeps_the_partial_answer_and_resume_continues_from_the
     assert resumed[:len(first)] == first
     assert resumed[len(first):] == [{"role": "assistant", "content": partial.content},
                                     {"role": "user", "content": history.INTERRUPTED_NOTE}]
-    # The lost attempt's tokens were counted once, by the attempt that completed the turn.
+    # Counted once: the attempt that completed the turn did not count it again.
     assert AgentMessage.objects.get(pk=partial.pk).accounted
     final = AgentMessage.objects.get(task=task, role="assistant", interrupted=False)
     assert len(partial.content) < len(final.content)
-    assert task.tokens_used >= partial.prompt_tokens + partial.completion_tokens
+    assert task.tokens_used == (partial.prompt_tokens + partial.completion_tokens
+                                + final.prompt_tokens + final.completion_tokens)
 
 
 def test_kill_9_after_the_email_went_out_goes_to_review_and_exactly_one_email_is_sent(
