@@ -30,7 +30,29 @@ class LimitExceeded(Exception):
         super().__init__(f"limit: {limit}")
         self.limit = limit
 
+
+class StepTimedOut(TimeoutError):
+    """The step ran past its timeout (StepSpec.timeout) and was cancelled: a failed attempt."""
+
+    def __init__(self, step_id: str, seconds: float):
+        super().__init__(f"step {step_id} ran longer than its timeout of {seconds:g} s and was cancelled "
+                         f"(raise StepSpec.timeout, the type's step_timeout or ORCH_STEP_TIMEOUT_SECONDS if it "
+                         f"needs longer)")
+        self.seconds = seconds
+
 log = logging.getLogger(__name__)
+
+
+def replay_safe(tool_name: str, args: dict) -> bool:
+    """Cutting this effect mid-flight and running it again cannot do it twice: its tool is
+    idempotent for these args, or transactional (a cut rolls it back). Unknown: not safe."""
+    from ..tools.base import get_tool
+
+    try:
+        tool = get_tool(tool_name)
+        return bool(tool.transactional or tool.is_idempotent(args))
+    except Exception:  # an unknown tool or invalid args fail in wal.perform; fail closed here
+        return False
 
 
 class WaitForEvent(Exception):
@@ -97,16 +119,34 @@ class StepContext:
         self._call_index = 0
         self._lock = threading.Lock()
         self._subtasks: list[tuple[CancellationToken, Future]] = []
+        # Non-idempotent effects of this step in flight now: while any is, a Pause's grace or
+        # a limit does not cut the step (cutting it would leave an outcome in doubt).
+        self.unsafe_effects_in_flight = 0
 
     def effect(self, tool: str, args: dict) -> Any:
         """Perform a side effect through the WAL; returns the tool's result."""
-        self.token.raise_if_cancelled()
-        with self._lock:
+        with self._lock:  # with cut(): a step is never cut between this check and its effect's start
+            self.token.raise_if_cancelled()
             call_index = self._call_index
             self._call_index += 1
-        return wal.perform(lease=self.lease, step_id=self.step_id, call_index=call_index, tool_name=tool,
-                           args=args, token=self.token, completed=self.completed_effects,
-                           generation=self.generation)
+            unsafe = not replay_safe(tool, args)
+            self.unsafe_effects_in_flight += unsafe
+        try:
+            return wal.perform(lease=self.lease, step_id=self.step_id, call_index=call_index, tool_name=tool,
+                               args=args, token=self.token, completed=self.completed_effects,
+                               generation=self.generation)
+        finally:
+            with self._lock:
+                self.unsafe_effects_in_flight -= unsafe
+
+    def cut(self, reason: str) -> bool:
+        """Cancel the step unless a non-idempotent effect of it is in flight (cutting that
+        would leave its outcome in doubt); True when cancelled."""
+        with self._lock:
+            if self.unsafe_effects_in_flight:
+                return False
+            self.token.cancel(reason)
+            return True
 
     def wait_for(self, event_type: str, *, timeout: float | None = None, match: dict | None = None) -> dict:
         """The payload of the next `event_type` event sent into the task (see the type's

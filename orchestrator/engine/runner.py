@@ -19,6 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import datetime
 
+from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection, transaction
 from django.db.models import Exists
 from django.utils import timezone
@@ -30,7 +31,7 @@ from ..models import InboundState, Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
 from . import checkpoint, inbox, lease as leases, preemption, results, scheduler, states, wal
 from ..primitives.cancellation import CancellationToken, Cancelled
-from .context import LimitExceeded, StepContext, WaitForEvent
+from .context import LimitExceeded, StepContext, StepTimedOut, WaitForEvent
 from .lease import Lease, LeaseLost
 from .wal import AmbiguousEffect, EffectFailed
 from .events import append_event
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 
 PREEMPTED = "preempted"  # the cancellation reason of a step interrupted by a preempt event
 UNIT_FAILED = "failed outside the task"  # ... of a running step a unit.failed event names
+STEP_TIMEOUT = "step timeout"  # ... of a step that ran past its timeout (a failed attempt)
+PAUSE_CUT = "pause grace over"  # ... of a step cut by a Pause after its grace (it runs again on resume)
+LIMIT_CUT = "limit: "  # + the limit: ... of a step cut by a limit running out (runs again on resume)
 
 
 class UpstreamFailure(Exception):
@@ -109,14 +113,17 @@ class Supervisor(threading.Thread):
                         self.runner.lose_lease()
                         return
                     if row["control"] and row["control"] != self.runner.control:
-                        # Acknowledge before acting: once the steps wind down the run may
-                        # end (and give up its lease) at any moment.
+                        # No step starts from here on (so none starts after the acknowledgement);
+                        # acknowledge before acting: once the steps wind down the run may end
+                        # (and give up its lease) at any moment.
+                        self.runner.hold_starts()
                         acknowledge(lease, row["control"])
                         self.runner.request(row["control"])
                     if row["inbox_seq"] != self.runner.inbox_signal:
                         self.runner.inbox_signal = row["inbox_seq"]  # the runner consumes at its next resume point
                         if inbox.preempt_pending(lease.task_id):
                             self.runner.request_preempt()
+                    self.runner.supervise_steps()
                     if self.runner.control:
                         self.publish_activities()
                     if time.monotonic() >= next_beat:
@@ -220,6 +227,14 @@ class Runner:
         # and for pending steps (applied once the consumption committed).
         self.unit_failures: dict[str, Exception] = {}
         self.unit_failures_pending: list[tuple[str, Exception]] = []
+        # Starting a step and holding the starts (an operator request seen) exclude each other:
+        # once held, no step starts, so none has a start after the request's acknowledgement.
+        self._start_gate = threading.Lock()
+        self.starts_held = False
+        # In-step limits: each running step's deadline (its timeout) and the options of the
+        # steps that declare their own (StepSpec.timeout / safe_to_cancel), read lazily.
+        self.deadlines: dict[str, tuple[float, float]] = {}
+        self.spec_options: dict[str, tuple[float | None, bool]] | None = None
 
     # --- signals from the supervisor ------------------------------------------------
     def request(self, control: str) -> bool:
@@ -232,6 +247,74 @@ class Runner:
         if control in ("stop", "terminate"):
             self.token.cancel(control)
         return True
+
+    def hold_starts(self) -> None:
+        with self._start_gate:
+            self.starts_held = True
+
+    def supervise_steps(self) -> None:
+        """From the supervisor, while steps run: cancel a step past its timeout (a failed
+        attempt); when max_seconds or max_tokens runs out inside a step, or a Pause's grace is
+        over, cut the steps that are safe to cut (they run again on resume) and let the others
+        finish; the task then pauses with its work kept."""
+        if not self.flights:
+            return
+        now = time.monotonic()
+        for step_id, (deadline, seconds) in list(self.deadlines.items()):
+            ctx = self.flights.get(step_id)
+            if ctx is not None and now >= deadline and ctx.token.cancel(STEP_TIMEOUT):
+                log.warning("step timed out after %g s: cancelled", seconds,
+                            extra={"task_id": self.lease.task_id, "step_id": step_id})
+        reason = ""
+        if not self.limit_hit:
+            limit = self.limit_inside_steps(now)
+            if limit:
+                self.limit_hit = limit  # halts the loop: no step starts; the task pauses
+                log.info("limit %s ran out inside a running step", limit, extra={"task_id": self.lease.task_id})
+        if self.limit_hit in ("max_seconds", "max_tokens"):
+            reason = LIMIT_CUT + self.limit_hit
+        elif self.control == "pause" and now - self.control_seen_at >= settings.ORCH_PAUSE_GRACE_SECONDS:
+            reason = PAUSE_CUT
+        if reason:
+            for step_id, ctx in list(self.flights.items()):
+                if not ctx.token.cancelled and self.options_of(step_id)[1] and ctx.cut(reason):
+                    log.info("step cut (%s): it runs again on resume", reason,
+                             extra={"task_id": self.lease.task_id, "step_id": step_id})
+
+    def limit_inside_steps(self, now: float) -> str:
+        """max_seconds or max_tokens, if it ran out counting what the running steps used so far."""
+        if self.base_active_seconds + (now - self.started) >= float(self.limits["max_seconds"]):
+            return "max_seconds"
+        running = sum(ctx.tokens_used for ctx in list(self.flights.values()))
+        if running and self.base_tokens + self.tokens_this_run() + running >= int(self.limits["max_tokens"]):
+            return "max_tokens"
+        return ""
+
+    def options_of(self, step_id: str) -> tuple[float | None, bool]:
+        """(timeout in seconds or None, safe_to_cancel) of a step: its StepSpec's, else the type's
+        and the installation's defaults. The specs are the type's plan for the current params
+        (the plan rows keep no options) plus the steps added in this run."""
+        if self.spec_options is None:
+            self.spec_options = {}
+            try:
+                self.note_specs(self.task_type.plan(self.params))
+            except Exception:  # the rows are the plan; without its specs the defaults apply
+                log.warning("the type's plan could not be read for its steps' options; the defaults apply",
+                            exc_info=True, extra={"task_id": self.lease.task_id})
+        timeout, safe = self.spec_options.get(step_id, (None, True))
+        if timeout is None:
+            timeout = getattr(self.task_type, "step_timeout", None)
+        if timeout is None:
+            timeout = settings.ORCH_STEP_TIMEOUT_SECONDS if settings.ORCH_STEP_TIMEOUT_SECONDS > 0 else None
+        return timeout, safe
+
+    def note_specs(self, specs) -> None:
+        if self.spec_options is None:
+            return  # not read yet: the first read takes the plan (added specs come with the run)
+        for spec in specs:
+            timeout, safe = getattr(spec, "timeout", None), getattr(spec, "safe_to_cancel", True)
+            if timeout is not None or not safe:
+                self.spec_options[spec.id] = (timeout, safe)
 
     # --- subtasks -------------------------------------------------------------------------
     def reserve_subtask(self) -> None:
@@ -292,6 +375,7 @@ class Runner:
         self.awaited = tuple(getattr(task_type, "awaited_event_types", ()))
         self.inbox_signal = task.inbox_seq
         self.inbox_consumed_at = -1 if task.inbox_pending else task.inbox_seq  # events sent while it waited
+        self.starts_held = bool(task.control)  # a request made between slices: the supervisor acknowledges it
         try:
             self.plan = retry_while_down(
                 lambda: checkpoint.ensure_plan(lease=self.lease, task_type=task_type, params=self.params),
@@ -337,6 +421,9 @@ class Runner:
                 if not halt and not held and self.submit_ready(pool, in_flight):
                     continue  # a step ran on this thread: look again at once
                 if not in_flight:
+                    if self.starts_held and not halt:
+                        time.sleep(0.02)  # a request is being acknowledged: the supervisor hands it over next
+                        continue
                     if halt or self.all_done() or not self.waiting_for_retry():
                         break
                     time.sleep(0.05)
@@ -472,8 +559,10 @@ class Runner:
 
     def submit_ready(self, pool: ThreadPoolExecutor, in_flight: dict) -> bool:
         """Start the steps that are ready; True when one ran (and settled) on this thread."""
-        capacity = max(1, int(self.limits["max_subtasks"])) - len(in_flight)
-        if capacity <= 0:
+        # max_steps bounds what starts: the steps done and those in flight never exceed it.
+        capacity = min(max(1, int(self.limits["max_subtasks"])) - len(in_flight),
+                       int(self.limits["max_steps"]) - self.plan.done_count() - len(in_flight))
+        if capacity <= 0 or self.starts_held:
             return False
         now = time.monotonic()
         # The ready queue holds pending steps whose dependencies are finished (a skipped
@@ -481,15 +570,24 @@ class Runner:
         ready = self.plan.take_ready(capacity, lambda sid: self.not_before.get(sid, 0) <= now
                                      and preemption.runs_now(self.plan, sid))
         alone = self.watched and len(ready) == 1 and not in_flight and not self.plan.has_ready()
-        for step_id in ready:
+        for index, step_id in enumerate(ready):
+            timeout = self.options_of(step_id)[0]
             deps = self.plan.depends_on[step_id]
             ctx = StepContext(task_id=self.lease.task_id, step_id=step_id, params=self.params,
                               deps=self.results.get_many(deps),
                               skipped={d: self.skipped[d] for d in deps if d in self.skipped},
                               lease=self.lease, token=self.token.child(step_id), runner=self,
                               generation=self.plan.generations.get(step_id, 0))
-            flight = InFlight(step_id, ctx, timezone.now())
-            self.flights[step_id] = ctx
+            with self._start_gate:
+                if self.starts_held:  # an operator request came in: this step and the rest stay pending
+                    self.token.discard_child(ctx.token)
+                    for held in ready[index:]:
+                        self.plan.requeue(held)
+                    return False
+                flight = InFlight(step_id, ctx, timezone.now())
+                self.flights[step_id] = ctx
+                if timeout is not None:
+                    self.deadlines[step_id] = (time.monotonic() + timeout, timeout)
             self.plan.running.add(step_id)
             if alone:
                 self.settle(self.execute_here(ctx), flight)
@@ -521,6 +619,7 @@ class Runner:
         ctx, step_id = flight.ctx, flight.step_id
         self.token.discard_child(ctx.token)
         self.flights.pop(step_id, None)
+        self.deadlines.pop(step_id, None)
         self.plan.running.discard(step_id)
         extra = {"task_id": self.lease.task_id, "step_id": step_id, "lease_epoch": self.lease.epoch}
         if future.exception() is not None:
@@ -535,6 +634,12 @@ class Runner:
         except Cancelled as exc:
             if exc.reason == UNIT_FAILED and step_id in self.unit_failures and not self.token.cancelled:
                 self.step_failed(step_id, self.unit_failures.pop(step_id), flight)
+                return
+            if exc.reason == STEP_TIMEOUT and not self.token.cancelled:
+                self.step_failed(step_id, self.timed_out(step_id), flight)
+                return
+            if self.was_cut(ctx):
+                self.cut_settled(flight)
                 return
             if ctx.completed_effects and not self.lease_lost:
                 self.record_failure(flight, "cancelled", retrying=True)
@@ -563,6 +668,13 @@ class Runner:
                 self.record_failure(flight, str(exc), retrying=True)
             return
         except Exception as exc:
+            if ctx.token.reason == STEP_TIMEOUT and not self.token.cancelled:
+                # Its tool gave up because the timeout cancelled it: the timeout is the failure.
+                self.step_failed(step_id, self.timed_out(step_id), flight)
+                return
+            if self.was_cut(ctx):
+                self.cut_settled(flight)
+                return
             if ctx.token.reason == PREEMPTED and not self.token.cancelled:
                 # Its tool gave up because the token was cancelled: an interruption, not a failure.
                 self.record_failure(flight, f"interrupted by a preempt: {type(exc).__name__}: {exc}", retrying=True)
@@ -592,9 +704,28 @@ class Runner:
             if not self.lease_lost:
                 self.give_up(step_id, f"step {step_id} failed: {exc}")
             return
+        self.note_specs(ctx.added_steps)
         self.results.put(step_id, result)
         self.not_before.pop(step_id, None)
         log.debug("step committed", extra={**extra, "checkpoint_version": version})
+
+    def timed_out(self, step_id: str) -> StepTimedOut:
+        return StepTimedOut(step_id, self.options_of(step_id)[0] or 0)
+
+    def was_cut(self, ctx: StepContext) -> bool:
+        """Cancelled by a Pause's grace or a limit (not by a Stop, which cancels the whole run)."""
+        reason = ctx.token.reason or ""
+        return not self.token.cancelled and (reason == PAUSE_CUT or reason.startswith(LIMIT_CUT))
+
+    def cut_settled(self, flight: InFlight) -> None:
+        """A step cut by a Pause or a limit: not a failure, no attempt counted; it runs again on
+        resume (its completed effects are committed `done`, and replay from the WAL then).
+        What it streamed was counted against max_tokens as it settled."""
+        ctx = flight.ctx
+        if ctx.completed_effects and not self.lease_lost:
+            self.record_failure(flight, f"cancelled: {ctx.token.reason}", retrying=True)
+        elif self.plan.status.get(flight.step_id) == StepStatus.PENDING:
+            self.plan.requeue(flight.step_id)
 
     def give_up(self, step_id: str, why: str) -> None:
         """A step failed for good: apply its failure policy (FAILURE_POLICIES)."""

@@ -24,10 +24,23 @@ class StepSpec:
     # Steps added at run time only: pending steps that must wait for this one (they then
     # depend on it and see its result in ctx.deps), e.g. a summary that must use a re-parse.
     before: tuple[str, ...] = ()
+    # Seconds the step may run before it is cancelled through its token; the cut is a failed
+    # attempt (its retries, then its failure policy, apply). None: the type's `step_timeout`,
+    # else ORCH_STEP_TIMEOUT_SECONDS. Read from the type's plan at each run (and from steps
+    # added in the same run): a step added by an earlier run gets the type's default.
+    timeout: float | None = None
+    # Whether a Pause (after ORCH_PAUSE_GRACE_SECONDS) or a limit running out may cut the step
+    # in flight to run it again on resume. Safe by default: effects go through ctx.effect, and
+    # a step is never cut while a non-idempotent effect of it is in flight. False: always let
+    # it finish (a step that acts on the world outside ctx.effect).
+    safe_to_cancel: bool = True
 
     def __post_init__(self):
         if self.on_failure not in ("", *FAILURE_POLICIES):
             raise ValueError(f"step {self.id!r}: on_failure must be one of {', '.join(FAILURE_POLICIES)}")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ValueError(f"step {self.id!r}: timeout must be a positive number of seconds, or None for the "
+                             f"type's default")
 
 
 # What happens when a step has failed for good (its retries used up, or the same failure twice):
@@ -46,6 +59,8 @@ class TaskType:
     description: ClassVar[str] = ""
     Params: ClassVar[type[BaseModel]]
     on_step_failure: ClassVar[str] = "needs_human"  # one of FAILURE_POLICIES; a StepSpec may override it
+    # Seconds a step of this type may run (StepSpec.timeout overrides it); None: ORCH_STEP_TIMEOUT_SECONDS.
+    step_timeout: ClassVar[float | None] = None
 
     def plan(self, params: BaseModel) -> list[StepSpec]:
         raise NotImplementedError

@@ -329,3 +329,59 @@ class Approval(TaskType):
                 return {"approved": False, "note": "no decision in time"}
             return {"approved": decision["approved"], "note": decision.get("note", "")}
         return "paid" if ctx.deps["await"]["approved"] else "not paid"
+
+
+class TimeboxedParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    steps: int = Field(1, ge=1)
+    seconds: float = 3600.0  # each step works this long (obeying its token)
+    timeout: float | None = None  # StepSpec.timeout of every step
+    on_failure: str = ""
+    safe_to_cancel: bool = True
+    starts_log: str = ""  # a file: each start of a step appends "<step> <time.time()>" to it
+    email_to: str = ""  # a step first sends this address one email (non-idempotent), then works
+    parallel: bool = False  # independent steps (else a chain)
+    hold_until: str = ""  # a file: a step works until it exists (or `seconds` passed), obeying its token
+
+
+@register
+class Timeboxed(TaskType):
+    """Steps that work `seconds` each, obeying their token, logging each start: the subject of
+    the step timeout, in-step limit and pause-grace tests."""
+
+    name = "test.timeboxed"
+    Params = TimeboxedParams
+
+    def plan(self, params):
+        return [StepSpec(f"step-{i}", depends_on=(f"step-{i - 1}",) if i > 1 and not params.parallel else (),
+                         timeout=params.timeout, on_failure=params.on_failure,
+                         safe_to_cancel=params.safe_to_cancel)
+                for i in range(1, params.steps + 1)]
+
+    def run_step(self, ctx, step_id):
+        p = ctx.params
+        if p.starts_log:
+            with open(p.starts_log, "a") as log:
+                log.write(f"{step_id} {time.time()}\n")
+        if p.email_to:
+            ctx.effect("email.send", {"to": p.email_to, "subject": f"{step_id} of task {ctx.task_id}", "body": "x"})
+        deadline = time.monotonic() + p.seconds
+        while time.monotonic() < deadline and not (p.hold_until and os.path.exists(p.hold_until)):
+            ctx.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return {"step": step_id}
+
+
+@register
+class TimeboxedByType(Timeboxed):
+    """Timeboxed whose steps get the type's own timeout (TaskType.step_timeout)."""
+
+    name = "test.timeboxed_by_type"
+    step_timeout = 0.4
+
+
+def starts(path: str) -> list[tuple[str, float]]:
+    """The step starts a Timeboxed task logged: (step, time.time())."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as log:
+        return [(step, float(at)) for step, at in (line.split() for line in log if line.strip())]
