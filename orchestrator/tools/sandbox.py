@@ -188,18 +188,21 @@ def run_sandboxed(command: list[str], *, token, timeout: float | None = None) ->
     limits = Limits.from_settings(timeout)
     scratch = _make_scratch()
     try:
+        # grace=0: one SIGKILL to the group. A SIGTERM first could kill bwrap in the instant
+        # between creating the sandbox and binding the sandbox's life to its own (--die-with-
+        # parent), and the sandbox (its pid 1 ignores SIGTERM) would then outlive it.
         with process_group(bwrap_argv(scratch, command, limits), token=token, label=f"sandbox: {' '.join(command)}",
-                           env={}, stdin=subprocess.DEVNULL,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, **_drop_privileges()) as proc:
+                           grace=0, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           **_drop_privileges()) as proc:
             with proc.stdout, proc.stderr:
                 output, stopped_by, elapsed = _read_bounded(proc, limits, token)
             if stopped_by:
-                kill_group(proc)
+                kill_group(proc, grace=0)
             else:
                 try:
                     proc.wait(timeout=max(0.0, limits.wall_seconds - elapsed))
                 except subprocess.TimeoutExpired:  # it closed its output and went on running
-                    kill_group(proc)
+                    kill_group(proc, grace=0)
                     stopped_by = "timeout"
         token.raise_if_cancelled()
         result = {"returncode": proc.returncode, **output}

@@ -37,11 +37,13 @@ class CommandTimedOut(ToolError):
 
 
 def kill_group(proc: subprocess.Popen, grace: float = TERM_GRACE_SECONDS) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left after `grace` seconds."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
+    """SIGTERM the process group, then SIGKILL whatever is left after `grace` seconds
+    (`grace=0`: SIGKILL at once, one signal to the whole group)."""
+    if grace > 0:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.02)
@@ -66,10 +68,11 @@ def clean_environment(extra: dict | None = None) -> dict:
 
 
 @contextmanager
-def process_group(argv: list[str], *, token, label: str | None = None, **popen_args) -> Iterator[subprocess.Popen]:
-    """Start argv in its own process group tracked on the token (as `label`,
-    what the task page shows running): cancelling the token kills the whole group, and so
-    does leaving the block while it still runs."""
+def process_group(argv: list[str], *, token, label: str | None = None, grace: float = TERM_GRACE_SECONDS,
+                  **popen_args) -> Iterator[subprocess.Popen]:
+    """Start argv in its own process group tracked on the token (as `label`, what the task
+    page shows running): cancelling the token kills the whole group (kill_group with
+    `grace`), and so does leaving the block while it still runs."""
     token.raise_if_cancelled()
     # Its own process group (killed as one), but in the executor's session: when the worker
     # and its executor die, the session keeper finds every descendant by that session
@@ -79,14 +82,14 @@ def process_group(argv: list[str], *, token, label: str | None = None, **popen_a
         # Killing takes up to TERM_GRACE_SECONDS: do it off the cancelling thread (the
         # runner's supervisor), which must keep heartbeating and reporting.
         unregister = token.on_cancel(
-            lambda reason: threading.Thread(target=kill_group, args=(proc,), name=f"kill-{proc.pid}",
+            lambda reason: threading.Thread(target=kill_group, args=(proc, grace), name=f"kill-{proc.pid}",
                                             daemon=True).start())
         try:
             yield proc
         finally:
             unregister()
             if proc.poll() is None:
-                kill_group(proc)
+                kill_group(proc, grace)
 
 
 def run_in_group(argv: list[str], *, token, cwd: str | None = None, env: dict | None = None,

@@ -122,6 +122,10 @@ def test_the_command_sees_an_empty_environment_and_runs_unprivileged(secrets_in_
     names = {line.split("=", 1)[0] for line in result["stdout"].splitlines()}
     assert names <= {"PATH", "HOME", "LANG", "PWD"}, names
     assert not any(value in result["stdout"] for value in SECRETS.values())
+    # Nor through /proc: the sandbox has its own pid namespace, the worker is not in it.
+    environs = sandboxed(["sh", "-c", "cat /proc/[0-9]*/environ | tr '\\0' '\\n'; ls /proc | grep -c '^[0-9]'"])
+    assert not any(value in environs["stdout"] for value in SECRETS.values())
+    assert int(environs["stdout"].split()[-1]) < 10  # bwrap's init, sh, cat, ls, grep: not the host's
     status = sandboxed(["cat", "/proc/self/status"])["stdout"]
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     assert int(fields["CapEff"].strip(), 16) == 0  # no capability, not even inside its namespaces
@@ -231,13 +235,16 @@ def test_cancellation_kills_the_sandboxed_command(marker, scratches):
         except BaseException as exc:  # noqa: BLE001 (the test reads whatever it raised)
             outcome["error"] = exc
 
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    wait_for(lambda: processes_with(marker), timeout=20, message="the sandboxed command running")
-    # What the task page shows running is the command, not bwrap's command line.
-    assert [a["label"] for a in token.activities()][0].split(": ", 1)[1].startswith("sandbox: python3 -c")
-    cancelled_at = time.monotonic()
-    token.cancel("operator pressed Stop")
+    try:
+        wait_for(lambda: processes_with(marker) and token.activities(), timeout=20,
+                 message="the sandboxed command running")
+        # What the task page shows running is the command, not bwrap's command line.
+        assert [a["label"] for a in token.activities()][0].split(": ", 1)[1].startswith("sandbox: python3 -c")
+    finally:
+        cancelled_at = time.monotonic()
+        token.cancel("operator pressed Stop")
     thread.join(15)
     assert not thread.is_alive()
     assert isinstance(outcome.get("error"), Cancelled), outcome
