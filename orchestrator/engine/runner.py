@@ -123,7 +123,11 @@ class Supervisor(threading.Thread):
                         self.runner.inbox_signal = row["inbox_seq"]  # the runner consumes at its next resume point
                         if inbox.preempt_pending(lease.task_id):
                             self.runner.request_preempt()
-                    self.runner.supervise_steps()
+                    try:
+                        self.runner.supervise_steps()
+                    except Exception:  # a fault in the in-step checks must not stop the heartbeat
+                        log.exception("supervisor: checking the running steps failed",
+                                      extra={"task_id": lease.task_id})
                     if self.runner.control:
                         self.publish_activities()
                     if time.monotonic() >= next_beat:

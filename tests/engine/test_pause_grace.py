@@ -15,6 +15,16 @@ from tests.conftest import wait_for
 from tests.support.testtypes import starts
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def drive_and_close(task_id: int) -> None:
+    """drive_inline on a thread of its own, which closes its database connection after."""
+    from django.db import connection
+
+    try:
+        drive_inline(task_id)
+    finally:
+        connection.close()
 TEST_TYPES = {"ORCH_EXTRA_TASK_TYPES": "tests.support.testtypes"}
 
 
@@ -94,7 +104,7 @@ def test_a_step_not_safe_to_cancel_is_let_finish_after_the_grace(settings, tmp_p
     log = tmp_path / "starts.log"
     task = services.task_create(type="test.timeboxed", params={
         "steps": 2, "seconds": 1.0, "safe_to_cancel": False, "starts_log": str(log)})
-    runner = threading.Thread(target=drive_inline, args=(task.pk,), daemon=True)
+    runner = threading.Thread(target=drive_and_close, args=(task.pk,), daemon=True)
     runner.start()
     wait_for(lambda: starts(str(log)), timeout=10, message="step-1 to start")
     services.task_pause(task_id=task.pk)
@@ -110,7 +120,7 @@ def test_a_pause_on_a_short_step_still_lets_it_finish(settings, tmp_path):
     settings.ORCH_PAUSE_GRACE_SECONDS = 5
     log = tmp_path / "starts.log"
     task = services.task_create(type="test.timeboxed", params={"steps": 2, "seconds": 0.5, "starts_log": str(log)})
-    runner = threading.Thread(target=drive_inline, args=(task.pk,), daemon=True)
+    runner = threading.Thread(target=drive_and_close, args=(task.pk,), daemon=True)
     runner.start()
     wait_for(lambda: starts(str(log)), timeout=10, message="step-1 to start")
     services.task_pause(task_id=task.pk)
@@ -134,7 +144,7 @@ def test_no_step_starts_while_the_acknowledgement_is_being_written(monkeypatch, 
     monkeypatch.setattr(runner_module, "acknowledge", slow_acknowledge)
     task = services.task_create(type="test.timeboxed", params={"steps": 400, "seconds": 0.01, "parallel": True},
                                 limits={"max_subtasks": 4})
-    runner = threading.Thread(target=drive_inline, args=(task.pk,), daemon=True)
+    runner = threading.Thread(target=drive_and_close, args=(task.pk,), daemon=True)
     runner.start()
     wait_for(lambda: Step.objects.filter(task_id=task.pk, status="done").count() >= 10, timeout=30,
              interval=0.01, message="steps to run")

@@ -17,6 +17,16 @@ from tests.support.streaming_server import StreamingServer
 from tests.support.testtypes import starts
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def drive_and_close(task_id: int) -> None:
+    """drive_inline on a thread of its own, which closes its database connection after."""
+    from django.db import connection
+
+    try:
+        drive_inline(task_id)
+    finally:
+        connection.close()
 FINAL = ("paused", "completed", "failed", "needs_human", "awaiting_review", "stopped")
 
 
@@ -28,7 +38,7 @@ def test_types(settings):
 def run_bounded(task: Task, within: float) -> tuple[Task, float]:
     """Run the task inline on a thread; fail (and stop it) if the run takes longer than `within` s."""
     began = time.monotonic()
-    runner = threading.Thread(target=drive_inline, args=(task.pk,), daemon=True)
+    runner = threading.Thread(target=drive_and_close, args=(task.pk,), daemon=True)
     runner.start()
     runner.join(timeout=within)
     took = time.monotonic() - began
