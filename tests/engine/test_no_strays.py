@@ -72,10 +72,12 @@ def running_tree(mark: str, settings, start_workers):
     return cluster, task, executor, tree
 
 
-@pytest.mark.parametrize("victim", ["executor", "worker"])
+@pytest.mark.parametrize("victim", ["executor", "worker", "cluster"])
 def test_a_killed_executor_or_worker_leaves_no_process_behind(victim, mark, settings, start_workers):
     cluster, task, executor, tree = running_tree(mark, settings, start_workers)
-    if victim == "worker":
+    if victim == "cluster":  # the whole host's workers: kill -9 of the qcluster's process group
+        os.killpg(cluster.proc.pid, signal.SIGKILL)
+    elif victim == "worker":
         worker = processes._stat(executor)[0]
         assert worker in cluster.worker_pids()
         os.kill(worker, signal.SIGKILL)
