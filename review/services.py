@@ -3,7 +3,9 @@
 A side effect whose outcome is unknown (a non-idempotent tool's WAL entry left `pending`
 by a dead worker) is never guessed: it opens a ReviewItem and the task waits in
 `awaiting_review`. A reviewer decides; when the task's last open item is decided, the
-task continues by itself.
+task continues by itself. An effect left unknown by a task that then ended (a Stop or a
+Force-terminate cut it in flight) is reviewed too: on an ended task the decision records
+what happened, for the audit and the export, and never runs anything or moves the task.
 """
 import logging
 
@@ -12,6 +14,7 @@ from django.utils import timezone
 
 from orchestrator.engine import approvals, inbox, scheduler, states
 from orchestrator.engine.audit import audit
+from orchestrator.engine.events import append_event
 from orchestrator.engine.services import FieldError, InvalidInput
 from orchestrator.models import IdempotencyRecord, TaskStatus as S, WalEntry, WalStatus
 from orchestrator.tools.base import get_tool
@@ -103,6 +106,9 @@ def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=
         entry = item.wal_entry
         before = {"wal_status": entry.status, "task_status": task.status}
         now = timezone.now()
+        # A task that has ended (stopped, terminated, failed) runs nothing again: the decision
+        # records what happened, for the audit and the export; it never re-executes the effect.
+        ended = task.status in states.TERMINAL
         if decision == Decision.HAPPENED:
             recorded = result if result is not None else get_tool(entry.tool).confirmed_result(
                 entry.args, key=entry.idempotency_key)
@@ -110,9 +116,12 @@ def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=
             IdempotencyRecord.objects.get_or_create(key=entry.idempotency_key,
                                                     defaults={"tool": entry.tool, "result": recorded})
         elif decision == Decision.NOT_HAPPENED:
-            # `failed` means "did not happen": the step performs it again with the same key.
-            WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.FAILED, completed_at=now,
-                                                        error=f"reviewer: did not happen ({note.strip()[:200]})")
+            # `failed` means "did not happen": the step performs it again with the same key
+            # (if the task goes on: an ended one does not).
+            WalEntry.objects.filter(pk=entry.pk).update(
+                status=WalStatus.FAILED, completed_at=now,
+                error=f"reviewer: did not happen ({note.strip()[:200]})"
+                      + (f"; the task had {task.status}: not performed again" if ended else ""))
         elif decision == Decision.SKIP:
             WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.SKIPPED, completed_at=now,
                                                         error=f"reviewer: skipped ({note.strip()[:200]})")
@@ -130,6 +139,13 @@ def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=
             states.transition(task, S.QUEUED, reason="every review decided; continuing", actor=actor, ip=ip,
                               action="review.resume", lease_owner="")
             scheduler.enqueue(task.pk)
+        if ended:
+            # No transition follows: this event is what tells the task's live pages (its
+            # "unreviewed effect" badge) and its event log that the effect was decided.
+            append_event(task, "effect_reviewed", {
+                "review": item.pk, "decision": decision, "wal_entry": entry.pk, "tool": entry.tool,
+                "idempotency_key": entry.idempotency_key, "task_status": task.status,
+                "open_reviews": ReviewItem.objects.filter(task=task, status=ReviewStatus.OPEN).count()})
     log.info("review decided: %s", decision, extra={"task_id": task.pk, "wal_entry_id": entry.pk,
                                                     "resume_strategy": f"review:{decision}"})
     return item

@@ -11,6 +11,7 @@ the operator role.
 from dataclasses import asdict, dataclass
 
 from .. import roles
+from ..conf import harness
 from ..models import Step, StepStatus, Task, TaskStatus as S
 from . import states
 from ..tasktypes import all_types
@@ -29,6 +30,21 @@ VERBS = {"pause": "be paused", "resume": "be resumed", "stop": "be stopped", "te
 ROLE_VERBS = {"pause": "pause tasks", "resume": "resume tasks", "stop": "stop tasks",
               "terminate": "force-terminate tasks", "skip_step": "skip a task's steps",
               "edit": "edit a task's parameters", "rollback": "roll tasks back"}
+
+
+def hints() -> dict[str, str]:
+    """What each control does, as its button's tooltip says it: true to the engine
+    (runner.Runner.decide, executor.Watchdog), never kinder than it."""
+    grace = f"{harness.grace_seconds:g}"
+    return {
+        "stop": (f"Cancel the running steps now and end the task (terminal). A step still running after {grace} s "
+                 f"is force-terminated. A side effect cut in flight (a request sent, an email handed to the "
+                 f"server) may or may not have happened: it is not repeated, and it goes to the review queue "
+                 f"for someone to record what happened."),
+        "terminate": ("Kill the running work at once, without waiting for a safe point (terminal). A side effect "
+                      "in flight may or may not have happened: it goes to the review queue."),
+    }
+
 
 RESUMABLE = frozenset({S.PAUSED, S.NEEDS_HUMAN})
 PAUSABLE = frozenset({S.QUEUED, S.RUNNING, S.WAITING})

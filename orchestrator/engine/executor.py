@@ -24,7 +24,7 @@ from ..outage import DATABASE_DOWN, OutageWatch
 from ..models import Task, TaskStatus as S
 from . import processes, states
 from .lease import Lease, LeaseLost, lock_fenced
-from .recovery import recover_task
+from .recovery import in_doubt_note, recover_task, settle_pending_wal
 from .runner import Runner
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,10 @@ class Watchdog:
             with transaction.atomic():
                 task = lock_fenced(self.lease)
                 if task.status not in states.TERMINAL:
+                    # The executor was killed mid-step: an effect it had in flight may or may
+                    # not have happened, and a terminated task replays nothing. A reviewer says.
+                    reason += in_doubt_note(settle_pending_wal(task, dead_worker=self.lease.owner, cause=reason,
+                                                               extra=self.extra, ended=True))
                     states.transition(task, S.TERMINATED, reason=reason, action=f"task.{control}",
                                       lease_owner="", control="", activities=[])
         except LeaseLost:

@@ -169,8 +169,15 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attemp
         target = {S.STOPPING: S.STOPPED, S.PAUSING: S.PAUSED}.get(task.status)
         if target or task.control == "terminate":
             target = S.TERMINATED if task.control == "terminate" else target
-            states.transition(task, target, reason=f"worker {dead_worker} died; {task.control} completed by recovery",
-                              action="recovery", lease_owner="", control="", activities=[])
+            reason = f"worker {dead_worker} died; {task.control} completed by recovery"
+            if target in states.TERMINAL:
+                # What the dead worker had in flight is unknown, and an ended task replays
+                # nothing: a reviewer says what happened. (A paused task settles its WAL
+                # when its steps run again on resume.)
+                reason += in_doubt_note(settle_pending_wal(task, dead_worker=dead_worker, cause=reason,
+                                                           extra=extra, ended=True))
+            states.transition(task, target, reason=reason, action="recovery", lease_owner="", control="",
+                              activities=[])
             log.info("recovery: settled operator request", extra={**extra, "event_id": task.event_seq,
                                                                   "resume_strategy": target})
             return True
@@ -205,13 +212,16 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attemp
     return True
 
 
-def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict) -> list:
-    """Decide what to do with each side effect the dead worker left `pending`.
+def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict, ended: bool = False) -> list:
+    """Decide what to do with each side effect the dead (or stopped) worker left `pending`.
 
     - its key is in the idempotency store: it happened; reuse the recorded result;
-    - the tool is idempotent: leave it pending; the step replays it with the same key;
-    - otherwise nobody knows whether it happened: open a review item (never guess).
-    Returns the entries put in front of a reviewer.
+    - the tool is idempotent and the task goes on: leave it pending; the step replays it
+      with the same key;
+    - otherwise nobody knows whether it happened: open a review item (never guess). On a
+      task that has `ended` (stopped, terminated) nothing replays anything, so an idempotent
+      effect in doubt is reviewed too: the decision records what happened, nothing runs.
+    Returns the entries put in front of a reviewer. Runs in the caller's transaction.
     """
     opened = []
     for entry in WalEntry.objects.filter(task=task, status=WalStatus.PENDING).order_by("id"):
@@ -222,18 +232,33 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict)
                                                         completed_at=timezone.now())
             log.info("recovery: effect recorded in the idempotency store; reusing its result",
                      extra={**log_extra, "resume_strategy": "reuse_recorded_result"})
-        elif entry.idempotent:
+        elif entry.idempotent and not ended:
             log.info("recovery: idempotent effect will be replayed with the same key",
                      extra={**log_extra, "resume_strategy": "replay_idempotent"})
         else:
-            log.info("recovery: non-idempotent effect in doubt; opening a review item",
+            log.info("recovery: effect in doubt; opening a review item",
                      extra={**log_extra, "resume_strategy": "open_review"})
-            wal.open_review(entry=entry, dead_worker=dead_worker or entry.worker, reason=(
-                f"Worker {dead_worker or entry.worker} stopped ({cause}) after writing the intent for "
-                f"{entry.tool} at {entry.created_at:%Y-%m-%d %H:%M:%S} UTC and before recording its outcome. "
-                f"{entry.tool} is not idempotent: repeating it could do it twice, skipping it could lose it."))
+            worker = dead_worker or entry.worker
+            if ended:
+                why = (f"The task ended ({cause}) while worker {worker} had {entry.tool} in flight: the "
+                       f"intent was written at {entry.created_at:%Y-%m-%d %H:%M:%S} UTC and its outcome never "
+                       f"recorded. The task has ended and runs nothing again: say whether it happened, for the "
+                       f"record (the audit log and the export).")
+            else:
+                why = (f"Worker {worker} stopped ({cause}) after writing the intent for {entry.tool} at "
+                       f"{entry.created_at:%Y-%m-%d %H:%M:%S} UTC and before recording its outcome. {entry.tool} "
+                       f"is not idempotent: repeating it could do it twice, skipping it could lose it.")
+            wal.open_review(entry=entry, dead_worker=worker, reason=why)
             opened.append(entry)
     return opened
+
+
+def in_doubt_note(opened: list) -> str:
+    """What a task's status reason adds when it ended with effects in front of a reviewer."""
+    if not opened:
+        return ""
+    return (f"; {len(opened)} side effect(s) in doubt wait for review "
+            f"({', '.join(entry.idempotency_key for entry in opened)})")
 
 
 def resources_problem(task: Task) -> str:

@@ -29,7 +29,7 @@ from ..conf import harness
 from ..outage import DATABASE_DOWN, OutageWatch, retry_while_down
 from ..models import InboundState, Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
-from . import checkpoint, inbox, lease as leases, preemption, results, scheduler, states, wal
+from . import checkpoint, inbox, lease as leases, preemption, recovery, results, scheduler, states, wal
 from ..primitives.cancellation import CancellationToken, Cancelled
 from .context import LimitExceeded, StepContext, StepTimedOut, WaitForEvent
 from .lease import Lease, LeaseLost
@@ -844,19 +844,38 @@ class Runner:
         log.info("run finished: %s", outcome, extra={**extra, "checkpoint_version": task.checkpoint_version})
         return outcome
 
+    def review_unknown_effects(self, task: Task, cause: str) -> list:
+        """The task ends now: every effect whose outcome is unknown goes in front of a reviewer,
+        whose decision records what happened (nothing runs again). Those the tools reported
+        ambiguous keep their evidence; the WAL's other pending rows (steps abandoned in flight
+        by Force-terminate) are settled as recovery does."""
+        reported = {}
+        for ambiguous in self.ambiguous:
+            wal.open_review(entry=ambiguous.entry, dead_worker=ambiguous.entry.worker, evidence=ambiguous.evidence,
+                            reason=f"{ambiguous.reason} The task then ended ({cause}) and runs nothing again: "
+                                   f"say whether it happened, for the record.")
+            reported[ambiguous.entry.pk] = ambiguous.entry
+        opened = recovery.settle_pending_wal(task, dead_worker=self.lease.owner, cause=cause, ended=True,
+                                             extra={"task_id": task.pk, "lease_epoch": self.lease.epoch})
+        return [*reported.values(), *(entry for entry in opened if entry.pk not in reported)]
+
     def decide(self, task: Task) -> str:
         """Write the run's outcome; runs in the finishing transaction with the row locked."""
         released = {"lease_owner": "", "control": "", "activities": []}
+        ended = ""
         if self.control == "terminate":
-            states.transition(task, S.TERMINATED, reason="force-terminated by an operator", **released)
-            return S.TERMINATED
-        if self.escalated:
-            states.transition(task, S.TERMINATED, reason=f"stop escalated to force-terminate: steps ignored "
-                              f"cancellation for {harness.grace_seconds:g} s", **released)
-            return S.TERMINATED
-        if self.control == "stop":
-            states.transition(task, S.STOPPED, reason="stopped by an operator", **released)
-            return S.STOPPED
+            ended, why = S.TERMINATED, "force-terminated by an operator"
+        elif self.escalated:
+            ended, why = S.TERMINATED, (f"stop escalated to force-terminate: steps ignored cancellation for "
+                                        f"{harness.grace_seconds:g} s")
+        elif self.control == "stop":
+            ended, why = S.STOPPED, "stopped by an operator"
+        if ended:
+            # Checked before the ambiguous list, but never instead of it: an effect cut in
+            # flight by the request is as unknown as one a dead worker left.
+            why += recovery.in_doubt_note(self.review_unknown_effects(task, why))
+            states.transition(task, ended, reason=why, **released)
+            return ended
         if self.all_done():
             states.transition(task, S.COMPLETED, reason="all steps done", **released)
             return S.COMPLETED

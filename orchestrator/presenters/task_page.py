@@ -8,6 +8,7 @@ reasons, audit reasons — is redacted here, on the objects the templates read (
 Every role sees the same redacted page: there is no view of the raw values outside the
 database and the Django admin."""
 import json
+from collections import Counter
 from datetime import datetime, timezone as dt_timezone
 
 from django.utils import timezone
@@ -63,6 +64,7 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
     rows (`with_events=False`): each event brings its own row."""
     now = page_clock()
     redact_fields(task, "title", "error", "status_reason", "activities", "stack", "waiting_for")
+    with_unreviewed_effects([task])
     steps = [redact_fields(step, "title", "error")
              for step in with_running(task, list(task.steps.all()[:STEP_ROWS_SHOWN]))]
     wal = list(task.wal_entries.order_by("-id")[:WAL_ROWS_SHOWN])
@@ -100,6 +102,7 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
         "send_event_id": f"page-{getattr(user, 'pk', 0)}-{task.pk}-{task.inbox_seq}",
         "can_operate": roles.OPERATOR in roles.user_roles(user) if user is not None else False,
         "actions": verdicts,
+        "action_hints": task_actions.hints(),
         "allowed_actions": " ".join(name for name, verdict in verdicts.items() if verdict.allowed),
         "controls_note": task_actions.controls_note(task, verdicts),
         "skippable_steps": task_actions.skippable_steps(task) if verdicts["skip_step"].allowed else [],
@@ -159,9 +162,22 @@ def with_running(task: Task, steps: list) -> list:
 
 
 def with_type_titles(tasks: list[Task]) -> list[Task]:
-    """The list page's rows: each task with its type's title (shown when it has none)."""
+    """The list page's rows: each task with its type's title (shown when it has none) and
+    its count of unreviewed effects."""
     types = all_types()
     for task in tasks:
         redact_fields(task, "title")
         task.type_title = types[task.type].title if task.type in types else ""
+    return with_unreviewed_effects(tasks)
+
+
+def with_unreviewed_effects(tasks: list[Task]) -> list[Task]:
+    """Each task with `unreviewed_effects`: its side effects whose outcome is unknown and that
+    no reviewer has decided yet (open review items of kind `effect`; approvals are not
+    effects). One query for the whole list. Shown as a badge until decided, whatever the
+    task's status: a stopped task's "maybe sent" email is as unknown as a running one's."""
+    counts = Counter(Task.objects.filter(pk__in=[task.pk for task in tasks], review_items__status="open",
+                                         review_items__kind="effect").values_list("pk", flat=True)) if tasks else {}
+    for task in tasks:
+        task.unreviewed_effects = counts.get(task.pk, 0)
     return tasks

@@ -122,3 +122,7 @@ def test_a_post_cancelled_in_flight_is_recorded_as_unknown_not_as_not_performed(
     # Not "failed" (= did not happen): the server had the request when it was cut off.
     assert entry.status == "pending" and "cancelled" in entry.error and "after the request was sent" in entry.error
     assert len(silent_http.requests) == 1
+    # ...and a reviewer is asked what happened, although the task ended (Stop never hides it).
+    item = the_review(task)
+    assert item.wal_entry == entry and item.evidence["phase"] == "cancelled in flight"
+    assert "stopped by an operator" in item.reason and "1 side effect(s) in doubt" in task.status_reason
