@@ -271,16 +271,23 @@ def test_the_stand_in_model_cannot_be_used_to_escalate_sql_goals_against_every_h
         assert drive_inline(task.pk) == "completed"
         assert "db_query" not in {m.name for m in AgentMessage.objects.filter(task=task, role="tool")}
         assert_no_secret_in(server_text(server), secrets_of_the_installation, "the stand-in model")
-        # Even an admin's agent with db_query granted reads none of them.
+        # Even an admin's agent with db_query granted reads none of them. (The stand-in calls the
+        # tool named in the goal with the goal as its SQL: the comment names it, the SQL is valid.)
         settings.ORCH_AGENT_HOST_TOOLS = ["db_query"]
         admin = make_user("root", superuser=True)
-        for table in tables:
+
+        def answers_to(sql: str) -> list[str]:
             task = services.task_create(type="agent.plan_execute", actor=admin,
-                                        params={"goal": f"SELECT * FROM {table}", "tools": ["db_query"]})
+                                        params={"goal": f"{sql} -- db query", "tools": ["db_query"]})
             assert drive_inline(task.pk) == "completed"
-            answers = list(AgentMessage.objects.filter(task=task, role="tool", name="db_query")
-                           .values_list("content", flat=True))
-            assert answers and all(a.startswith("error:") for a in answers), (table, answers)
+            return list(AgentMessage.objects.filter(task=task, role="tool", name="db_query")
+                        .values_list("content", flat=True))
+
+        [control] = answers_to("SELECT count(*) AS n FROM demo_source")  # an allowed table is read
+        assert json.loads(control)["columns"] == ["n"]
+        for table in tables:
+            answers = answers_to(f"SELECT * FROM {table}")
+            assert len(answers) == 1 and answers[0].startswith("error:"), (table, answers)
         assert_no_secret_in(server_text(server), secrets_of_the_installation, "the stand-in model")
 
 
