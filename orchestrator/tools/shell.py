@@ -22,7 +22,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from ..primitives.cancellation import Cancelled
@@ -68,11 +68,11 @@ def clean_environment(extra: dict | None = None) -> dict:
 
 
 @contextmanager
-def process_group(argv: list[str], *, token, label: str | None = None, grace: float = TERM_GRACE_SECONDS,
-                  **popen_args) -> Iterator[subprocess.Popen]:
+def process_group(argv: list[str], *, token, label: str | None = None,
+                  kill: Callable[[subprocess.Popen], None] = kill_group, **popen_args) -> Iterator[subprocess.Popen]:
     """Start argv in its own process group tracked on the token (as `label`, what the task
-    page shows running): cancelling the token kills the whole group (kill_group with
-    `grace`), and so does leaving the block while it still runs."""
+    page shows running): cancelling the token kills it (`kill(proc)`: the whole group), and
+    so does leaving the block while it still runs."""
     token.raise_if_cancelled()
     # Its own process group (killed as one), but in the executor's session: when the worker
     # and its executor die, the session keeper finds every descendant by that session
@@ -82,14 +82,14 @@ def process_group(argv: list[str], *, token, label: str | None = None, grace: fl
         # Killing takes up to TERM_GRACE_SECONDS: do it off the cancelling thread (the
         # runner's supervisor), which must keep heartbeating and reporting.
         unregister = token.on_cancel(
-            lambda reason: threading.Thread(target=kill_group, args=(proc, grace), name=f"kill-{proc.pid}",
+            lambda reason: threading.Thread(target=kill, args=(proc,), name=f"kill-{proc.pid}",
                                             daemon=True).start())
         try:
             yield proc
         finally:
             unregister()
             if proc.poll() is None:
-                kill_group(proc, grace)
+                kill(proc)
 
 
 def run_in_group(argv: list[str], *, token, cwd: str | None = None, env: dict | None = None,

@@ -253,6 +253,26 @@ def test_cancellation_kills_the_sandboxed_command(marker, scratches):
     assert not any(os.path.exists(path) for path in scratches)
 
 
+def test_a_cancel_during_the_sandboxs_setup_leaves_nothing_running(scratches):
+    """bwrap's pid 1 binds its life to bwrap only once the sandbox is set up: killing bwrap
+    alone during the setup left sandboxes running (about 3 in 100 cancels; 16 in 100 with a
+    SIGTERM first)."""
+    markers = []
+    for attempt in range(50):
+        marker = f"sandbox-setup-{uuid.uuid4().hex}"
+        markers.append(marker)
+        token = CancellationToken("step")
+        thread = threading.Thread(target=lambda: pytest.raises(Cancelled, sandboxed, ["python3", "-c",
+                                  f"import time; time.sleep(60)  # {marker}"], timeout=60, token=token), daemon=True)
+        thread.start()
+        time.sleep((attempt % 10) * 0.003)  # cancel at different moments of the setup
+        token.cancel("operator pressed Stop")
+        thread.join(15)
+        assert not thread.is_alive()
+    wait_for(lambda: not any(processes_with(m) for m in markers), timeout=5, message="every sandbox gone")
+    assert not any(os.path.exists(path) for path in scratches)
+
+
 def test_without_bwrap_the_tool_refuses_and_runs_nothing_on_the_host(monkeypatch, tmp_path):
     monkeypatch.setattr(sandbox, "BWRAP", str(tmp_path / "no-such-bwrap"))
     ran = tmp_path / "ran-on-the-host"
