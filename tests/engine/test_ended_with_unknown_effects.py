@@ -47,6 +47,16 @@ def hung(request, silent_http, misbehaving_smtp):
     return kind, params, reached
 
 
+def drive_and_close(task_id: int) -> None:
+    """drive_inline on a thread of its own, which closes its database connection after."""
+    from django.db import connection
+
+    try:
+        drive_inline(task_id)
+    finally:
+        connection.close()
+
+
 def worker_env(misbehaving_smtp, **overrides) -> dict:
     # The email client waits 2 s for the server's answer: within Stop's grace period, so Stop
     # ends the task itself (`stopped`), with the email's outcome unknown.
@@ -102,7 +112,9 @@ def decide_and_assert_nothing_runs(task: Task, item: ReviewItem, decision: str, 
     item.refresh_from_db()
     assert item.status == "decided" and item.decision == decision
     entry = WalEntry.objects.get(pk=item.wal_entry_id)
-    assert entry.status == ("done" if decision == "happened" else "failed")
+    assert entry.status == {"happened": "done", "not_happened": "failed", "skip": "skipped"}[decision]
+    if decision == "not_happened":
+        assert f"the task had {task.status}: not performed again" in entry.error
     after = Task.objects.get(pk=task.pk)
     # Recorded, not re-executed: the task stays as it ended, nothing was queued, and a worker
     # that got a message anyway would not take it.
@@ -167,3 +179,40 @@ def test_the_stop_tooltip_says_an_effect_cut_in_flight_goes_to_review(operator, 
     assert f'data-testid="btn-stop" title="{hint}"' in page
     # Not the old promise ("finish the current step's side effect safely"): Stop cuts it.
     assert "safely" not in hint and "after 7 s is force-terminated" in hint and "review queue" in hint
+
+
+@pytest.mark.parametrize("hung", ["email"], indirect=True)
+def test_a_stop_that_outlives_its_grace_is_escalated_with_the_effect_reviewed(
+        hung, start_workers, misbehaving_smtp, operator, reviewer, client):
+    # The email client would wait a minute for the server's answer; Stop's grace is 1 s: the
+    # watchdog kills the executor and terminates the task ("stop escalated").
+    task = start_hung_task(start_workers, misbehaving_smtp, hung, EMAIL_TIMEOUT=60, ORCH_GRACE_SECONDS=1)
+    services.task_stop(task_id=task.pk, actor=operator)
+    task = ended(task.pk)
+    item = assert_unknown_and_reviewed(task, "terminated", client, operator)
+    assert "stop escalated to force-terminate" in task.status_reason and "stop escalated" in item.reason
+    decide_and_assert_nothing_runs(task, item, "skip", hung[2], client, operator, reviewer)
+
+
+def test_abort_on_an_ended_task_closes_the_item_and_moves_nothing_and_a_second_decision_is_refused(
+        silent_http, operator, reviewer):
+    import threading
+
+    from review.services import ReviewClosed
+
+    task = services.task_create(type="test.effects", params={"kind": "post", "url": silent_http.url, "timeout": 60})
+    runner = threading.Thread(target=drive_and_close, args=(task.pk,))
+    runner.start()
+    wait_for(lambda: len(silent_http.requests) == 1, message="the POST to reach the server")
+    services.task_stop(task_id=task.pk, actor=operator)
+    runner.join(timeout=30)
+    task = Task.objects.get(pk=task.pk)
+    item = ReviewItem.objects.get(task=task, status="open")
+    review_decide(item_id=item.pk, decision="abort_task", note="the charge is in their dashboard", actor=reviewer)
+    after = Task.objects.get(pk=task.pk)
+    assert (after.status, after.status_reason, after.error) == ("stopped", task.status_reason, task.error)
+    assert after.events.filter(kind="effect_reviewed").count() == 1
+    with pytest.raises(ReviewClosed):
+        review_decide(item_id=item.pk, decision="not_happened", note="changed my mind", actor=reviewer)
+    assert WalEntry.objects.get(task=task).status == "pending"  # abort records no outcome; nothing ran
+    assert len(silent_http.requests) == 1 and drive_inline(task.pk) == "not claimed"

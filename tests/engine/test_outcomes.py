@@ -110,8 +110,16 @@ def test_a_post_cancelled_in_flight_is_recorded_as_unknown_not_as_not_performed(
 
     from tests.conftest import wait_for
 
+    from django.db import connection
+
+    def drive_and_close(task_id: int) -> None:  # its own connection, closed (PostgreSQL's teardown)
+        try:
+            drive_inline(task_id)
+        finally:
+            connection.close()
+
     task = services.task_create(type="test.effects", params={"kind": "post", "url": silent_http.url, "timeout": 60})
-    runner = threading.Thread(target=drive_inline, args=(task.pk,))
+    runner = threading.Thread(target=drive_and_close, args=(task.pk,))
     runner.start()
     wait_for(lambda: len(silent_http.requests) == 1, message="the POST to reach the server")
     services.task_stop(task_id=task.pk, actor=operator)  # cancels the request in flight
