@@ -36,6 +36,14 @@ SWEEPABLE = (S.RUNNING, S.PAUSING, S.STOPPING)
 WAITING = (S.QUEUED, S.RUNNING)  # with no lease holder: waiting for a worker to claim it
 
 
+def log_fields(task: Task) -> dict:
+    """The context every recovery line carries (README, "Logs and traces"): the task, the
+    checkpoint it resumes from, its last progress event (the one the action wrote, when it
+    wrote one), its recovery attempts and lease epoch."""
+    return {"task_id": task.pk, "checkpoint_version": task.checkpoint_version, "event_id": task.event_seq,
+            "recovery_attempt": task.recovery_attempts, "lease_epoch": task.lease_epoch}
+
+
 def stale_tasks(now=None):
     """Tasks whose lease holder went quiet: running ones, and claimed ones whose executor
     never started. A task with no lease holder is not stale whatever its heartbeat says:
@@ -73,7 +81,7 @@ def wake_expired_waits(now=None) -> list[int]:
             states.transition(task, S.QUEUED, reason="the wait's deadline passed")
             scheduler.enqueue(task.pk)
         woken.append(task_id)
-        log.info("wait timed out: re-queued", extra={"task_id": task_id, "resume_strategy": "wait_timed_out"})
+        log.info("wait timed out: re-queued", extra={**log_fields(task), "resume_strategy": "wait_timed_out"})
     return woken
 
 
@@ -91,9 +99,10 @@ def requeue_unclaimed(now=None, budget: float | None = None) -> list[int]:
     cutoff = now - timedelta(seconds=harness.requeue_after_seconds)
     waiting = (Task.objects.filter(status__in=WAITING, lease_owner="")
                .filter(Q(enqueued_at__lt=cutoff) | Q(enqueued_at__isnull=True, updated_at__lt=cutoff))
-               .values_list("pk", "enqueued_at")[:500])
+               .values_list("pk", "enqueued_at", "checkpoint_version", "event_seq", "recovery_attempts",
+                            "lease_epoch")[:500])
     sent = []
-    for task_id, enqueued_at in waiting:
+    for task_id, enqueued_at, checkpoint_version, event_seq, attempts, epoch in waiting:
         if stop_at is not None and time.monotonic() > stop_at:
             break
         # Compare-and-set: of several sweepers, one re-sends it.
@@ -102,7 +111,8 @@ def requeue_unclaimed(now=None, budget: float | None = None) -> list[int]:
             scheduler.send(task_id)
             sent.append(task_id)
             log.info("queued task not claimed: re-sent to the broker",
-                     extra={"task_id": task_id, "resume_strategy": "requeue_unclaimed",
+                     extra={"task_id": task_id, "checkpoint_version": checkpoint_version, "event_id": event_seq,
+                            "recovery_attempt": attempts, "lease_epoch": epoch, "resume_strategy": "requeue_unclaimed",
                             "waited_seconds": round((now - enqueued_at).total_seconds(), 1) if enqueued_at else None})
     return sent
 
@@ -152,7 +162,10 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attemp
     with transaction.atomic():
         task = candidates.first()
         if task is None:
-            log.debug("recovery: nothing to do", extra={"task_id": task_id, "resume_strategy": "none"})
+            # Say what state it saw: recovered by another sweeper, or alive after all.
+            seen = Task.objects.filter(pk=task_id).first()
+            log.debug("recovery: nothing to do", extra={**(log_fields(seen) if seen else {"task_id": task_id}),
+                                                        "resume_strategy": "none"})
             return False  # recovered by another sweeper, or alive after all
         attempt = task.recovery_attempts + (1 if count_attempt else 0)
         dead_worker = task.lease_owner
@@ -226,7 +239,8 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict,
     opened = []
     for entry in WalEntry.objects.filter(task=task, status=WalStatus.PENDING).order_by("id"):
         record = IdempotencyRecord.objects.filter(key=entry.idempotency_key).first()
-        log_extra = {**extra, "wal_entry_id": entry.pk}
+        # Callers outside recovery (Runner.decide, the watchdog) pass only what they hold.
+        log_extra = {**log_fields(task), **extra, "wal_entry_id": entry.pk}
         if record is not None:
             WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.DONE, result=record.result,
                                                         completed_at=timezone.now())

@@ -235,3 +235,76 @@ def test_executor_death_and_worker_shutdown_log_what_recovery_decided(start_work
     assert back["event_id"] == handed.seq and handed.seq > first_recovery.seq
     assert back["checkpoint_version"] == handed.payload["checkpoint_version"]
     assert recovered.recovery_attempts == 1
+
+
+# --- every line the recovery module writes, not only the sweeper's main path (issue 20, item 11) --
+def test_a_wait_whose_deadline_passed_is_logged_with_every_field(caplog):
+    task = services.task_create(type="test.effects", params={"kind": "idempotent"})
+    Task.objects.filter(pk=task.pk).update(status="waiting", waiting_until=F("created_at") - timedelta(seconds=1),
+                                           checkpoint_version=2, recovery_attempts=1)
+    assert recovery.wake_expired_waits() == [task.pk]
+    task = Task.objects.get(pk=task.pk)
+    assert_fields(the_record(caplog, "wait timed out: re-queued"), task_id=task.pk, resume_strategy="wait_timed_out",
+                  checkpoint_version=2, recovery_attempt=1, event_id=last_event(task.pk, "status").seq,
+                  lease_epoch=task.lease_epoch)
+
+
+def test_an_unclaimed_task_resent_is_logged_with_every_field(caplog, settings):
+    settings.ORCH_REQUEUE_AFTER_SECONDS = 0
+    task = services.task_create(type="test.effects", params={"kind": "idempotent"})
+    Task.objects.filter(pk=task.pk).update(enqueued_at=F("created_at") - timedelta(seconds=5))
+    assert task.pk in recovery.requeue_unclaimed()
+    task = Task.objects.get(pk=task.pk)
+    record = the_record(caplog, "queued task not claimed: re-sent to the broker")
+    # It writes no progress event: event_id is the task's last one, as the task page shows it.
+    assert_fields(record, task_id=task.pk, resume_strategy="requeue_unclaimed", recovery_attempt=0,
+                  checkpoint_version=task.checkpoint_version, event_id=task.event_seq)
+    assert record.waited_seconds >= 5
+
+
+def test_nothing_to_do_still_names_the_task_state_it_saw(caplog):
+    task = services.task_create(type="test.effects", params={"kind": "idempotent"})
+    lease, _ = worker_took(task)
+    assert recovery.recover_task(task.pk) is True
+    assert recovery.recover_task(task.pk, dead_lease=lease) is False
+    task = Task.objects.get(pk=task.pk)
+    assert_fields(the_record(caplog, "recovery: nothing to do"), task_id=task.pk, resume_strategy="none",
+                  recovery_attempt=1, checkpoint_version=task.checkpoint_version, event_id=task.event_seq)
+
+
+def test_effects_settled_for_an_ended_task_are_logged_with_every_field(caplog):
+    """Runner.decide (Stop, Force-terminate) and the watchdog settle the WAL with only the
+    task and its lease epoch to hand: the lines still carry every field."""
+    task = services.task_create(type="test.effects", params={"kind": "nonidempotent"})
+    lease, (email,) = worker_took(task, [("email.send", {"to": "ann@example.org", "subject": "s", "body": "b"}, False)])
+    from django.db import transaction
+
+    with transaction.atomic():
+        locked = Task.objects.select_for_update().get(pk=task.pk)
+        opened = recovery.settle_pending_wal(locked, dead_worker=lease.owner, cause="stopped by an operator",
+                                             extra={"task_id": task.pk, "lease_epoch": lease.epoch}, ended=True)
+    assert [entry.pk for entry in opened] == [email.pk]
+    record = the_record(caplog, "recovery: effect in doubt; opening a review item")
+    assert_fields(record, task_id=task.pk, resume_strategy="open_review", wal_entry_id=email.pk,
+                  recovery_attempt=0, checkpoint_version=locked.checkpoint_version, event_id=locked.event_seq,
+                  lease_epoch=lease.epoch)
+
+
+def test_every_line_of_the_recovery_module_carries_the_promised_fields(caplog, settings):
+    """Whatever path ran, no line of orchestrator.engine.recovery with a resume_strategy lacks
+    one of the fields the README promises."""
+    settings.ORCH_REQUEUE_AFTER_SECONDS = 0
+    stale = services.task_create(type="test.effects", params={"kind": "nonidempotent"})
+    worker_took(stale, [("email.send", {"to": "a@example.org", "subject": "s", "body": "b"}, False),
+                        ("db.upsert", {"table": "demo_destination", "columns": ["id"], "rows": [[1]]}, True)])
+    waiting = services.task_create(type="test.effects", params={"kind": "idempotent"})
+    Task.objects.filter(pk=waiting.pk).update(status="waiting", waiting_until=F("created_at"))
+    unclaimed = services.task_create(type="test.effects", params={"kind": "idempotent"})
+    Task.objects.filter(pk=unclaimed.pk).update(enqueued_at=F("created_at") - timedelta(seconds=5))
+    recovery.sweep()
+    recovery.recover_task(stale.pk)  # nothing to do: recovered already
+    lines = [r for r in recovery_records(caplog) if getattr(r, "resume_strategy", None)]
+    assert {r.resume_strategy for r in lines} >= {"open_review", "replay_idempotent", "awaiting_review",
+                                                  "wait_timed_out", "requeue_unclaimed", "none"}
+    for record in lines:
+        assert_fields(record)
