@@ -59,9 +59,11 @@ class WaitForEvent(Exception):
     """Raised by ctx.wait_for when the event has not arrived: the runner parks the task in
     `waiting` (no worker held) until it does or the deadline passes; the step runs again then."""
 
-    def __init__(self, event_type: str, until: datetime | None):
-        super().__init__(f"waiting for {event_type}" + (f" until {until.isoformat()}" if until else ""))
-        self.event_type, self.until = event_type, until
+    def __init__(self, event_type: str, until: datetime | None, match: dict | None = None):
+        super().__init__(f"waiting for {event_type}" + (f" with {match}" if match else "")
+                         + (f" until {until.isoformat()}" if until else ""))
+        # `match` is kept with the wait, so only an event that fits it wakes the task.
+        self.event_type, self.until, self.match = event_type, until, dict(match or {})
 
 
 class WaitTimedOut(TimeoutError):
@@ -165,7 +167,7 @@ class StepContext:
             timezone.now() + timedelta(seconds=timeout) if timeout is not None else None)
         if until is not None and timezone.now() >= until:
             raise WaitTimedOut(f"no {event_type} event came before {until.isoformat()}")
-        raise WaitForEvent(event_type, until)
+        raise WaitForEvent(event_type, until, match)
 
     def request_approval(self, tool: str, arguments: dict, *, context: str = "", call_id: str = "",
                          reason: str = "") -> dict:

@@ -314,7 +314,7 @@ def _send(*, task_id: int, type: str, payload: dict | None, priority, source: st
             audit(action="task.event", actor=actor, ip=ip, task=task,
                   after={"seq": event.seq, "type": type, "priority": priority, "source": source,
                          "source_event_id": source_event_id})
-            if task.status == S.WAITING and any(w.get("type") == type for w in task.waiting_for):
+            if task.status == S.WAITING and any(wait_matches(w, type, clean) for w in task.waiting_for):
                 # What a step waits for arrived: the task runs again and the wait takes it.
                 states.transition(task, S.QUEUED, reason=f"woken by event #{event.seq} ({type})")
                 scheduler.enqueue(task.pk)
@@ -458,6 +458,27 @@ def awaited_arrived(task_id: int, event_type: str, now: datetime | None = None,
     for key, value in (match or {}).items():
         events = events.filter(**{f"payload__{key}": value})
     return events.order_by("seq").first()
+
+
+def wait_matches(wait: dict, type_name: str, payload: dict) -> bool:
+    """Whether an event (`type_name`, `payload`) is what `wait` (a Task.waiting_for entry)
+    waits for: its type, and the payload values of its `match` (ctx.wait_for(match=...))."""
+    return wait.get("type") == type_name and all(
+        payload.get(key) == value for key, value in (wait.get("match") or {}).items())
+
+
+def awaited_visible_at(task_id: int, waits: list[dict]) -> datetime | None:
+    """When the first pending event one of `waits` would take becomes visible, if one was sent
+    already: a mergeable event is held back for its merge window after it arrives."""
+    times = []
+    for wait in waits:
+        events = InboundEvent.objects.filter(task_id=task_id, type=wait["type"], state=InboundState.PENDING)
+        for key, value in (wait.get("match") or {}).items():
+            events = events.filter(**{f"payload__{key}": value})
+        first = events.order_by("visible_at").values_list("visible_at", flat=True).first()
+        if first is not None:
+            times.append(first)
+    return min(times, default=None)
 
 
 def apply(task_type, event: InboundEvent, now: datetime) -> Applied:

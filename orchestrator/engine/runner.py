@@ -655,7 +655,8 @@ class Runner:
         except WaitForEvent as wait:
             # Not a failure: the step runs again when the event comes (or its deadline passes).
             self.parked[step_id] = {"step": step_id, "type": wait.event_type,
-                                    "until": wait.until.isoformat() if wait.until else None}
+                                    "until": wait.until.isoformat() if wait.until else None,
+                                    **({"match": wait.match} if wait.match else {})}
             if ctx.completed_effects:  # effects before the wait did happen: commit their `done`
                 self.record_failure(flight, str(wait), retrying=True)
             return
@@ -900,11 +901,15 @@ class Runner:
             states.transition(task, S.PAUSED, reason=f"limit: {limit}", paused_by_limit=limit, **released)
             return S.PAUSED
         if (self.parked and not self.plan.has_ready() and not self.waiting_for_retry()
-                and not any(inbox.awaited_arrived(task.pk, w["type"]) for w in self.parked.values())):
+                and not any(inbox.awaited_arrived(task.pk, w["type"], match=w.get("match"))
+                            for w in self.parked.values())):
             # Nothing else to run and the awaited events have not come (checked with the row
             # locked: a sender that comes later sees `waiting` and wakes the task).
             waits = list(self.parked.values())
-            deadlines = [w["until"] for w in waits if w["until"]]
+            deadlines = [datetime.fromisoformat(w["until"]) for w in waits if w["until"]]
+            # An awaited event sent already but held back (a mergeable one's merge window):
+            # the sweeper wakes the task when it becomes visible, as at a deadline.
+            deadlines += [visible for visible in [inbox.awaited_visible_at(task.pk, waits)] if visible]
             what = ", ".join(f"{w['step']} waits for {w['type']}" for w in waits)
             states.transition(task, S.WAITING, reason=what[:500], waiting_for=waits,
                               waiting_until=min(deadlines) if deadlines else None, **released)

@@ -4,6 +4,11 @@ process group — the case where Stop must not leave a process behind.
 Stage 1 generates a deterministic data set; every later stage reads the previous stage's
 output, runs smoothing passes over it for `seconds_per_stage` seconds (real CPU work),
 and writes its output and statistics. Re-running a stage rewrites its output: idempotent.
+
+With `wait_for_upstream` (a data set's name) stage 1 first waits for an `upstream.ready`
+event naming that data set (`{"resource": name}`): the task sits in `waiting`, holding no
+worker, until another system says its data is there; an `upstream.ready` for another data
+set does not wake it.
 """
 import json
 import sys
@@ -51,6 +56,9 @@ class PipelineParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     stages: int = Field(5, ge=1, le=100, description="Number of processing stages")
     seconds_per_stage: float = Field(2.0, gt=0, le=86_400, description="CPU time each stage spends processing")
+    wait_for_upstream: str = Field("", max_length=500, description=(
+        "A data set's name: stage 1 waits (holding no worker) for an upstream.ready event whose "
+        "resource is this name before it starts. Empty: start at once."))
 
 
 def work_dir(task_id: int) -> Path:
@@ -65,14 +73,20 @@ class Pipeline(TaskType):
     title = "Data pipeline"
     description = "Run generated data-processing scripts, one subprocess per stage."
     Params = PipelineParams
+    awaited_event_types = ("upstream.ready",)
 
     def plan(self, params: PipelineParams) -> list[StepSpec]:
         return [StepSpec(f"stage-{k:02d}", f"Stage {k}: smoothing passes",
-                         depends_on=(f"stage-{k - 1:02d}",) if k > 1 else (), reads=("seconds_per_stage",))
+                         depends_on=(f"stage-{k - 1:02d}",) if k > 1 else (),
+                         reads=("seconds_per_stage", "wait_for_upstream") if k == 1 else ("seconds_per_stage",))
                 for k in range(1, params.stages + 1)]
 
     def run_step(self, ctx, step_id: str):
         stage = int(step_id.split("-")[1])
+        upstream = None
+        if stage == 1 and ctx.params.wait_for_upstream:
+            # Before anything else: until the event comes this step is parked and runs again.
+            upstream = ctx.wait_for("upstream.ready", match={"resource": ctx.params.wait_for_upstream})
         directory = work_dir(ctx.task_id)
         script = directory / f"stage-{stage:02d}.py"
         script.write_text(STAGE_SCRIPT.format(task_id=ctx.task_id, stage=stage))
@@ -82,4 +96,5 @@ class Pipeline(TaskType):
             "argv": [sys.executable, str(script), source, target, str(ctx.params.seconds_per_stage)],
             "cwd": str(directory), "idempotent": True,
             "timeout": ctx.params.seconds_per_stage * 10 + 60})
-        return json.loads(result["stdout"].strip().splitlines()[-1])
+        stats = json.loads(result["stdout"].strip().splitlines()[-1])
+        return {**stats, "upstream": upstream} if upstream is not None else stats
