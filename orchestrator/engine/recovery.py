@@ -85,24 +85,59 @@ def wake_expired_waits(now=None) -> list[int]:
     return woken
 
 
+# Rows read per query of `requeue_unclaimed` (it reads the next page when a pass has budget left).
+REQUEUE_PAGE = 500
+_REQUEUE_FIELDS = ("pk", "enqueued_at", "checkpoint_version", "event_seq", "recovery_attempts", "lease_epoch")
+
+
+def _oldest_unclaimed(cutoff):
+    """Tasks waiting for a worker, unclaimed since before `cutoff`, longest-waiting first, read a
+    page at a time (keyset: no page is skipped or read twice while the rows change under it).
+    Rows with no `enqueued_at` (handed over before the column existed) come first, by id."""
+    unclaimed = Task.objects.filter(status__in=WAITING, lease_owner="")
+    last_pk = 0
+    while True:
+        rows = list(unclaimed.filter(enqueued_at__isnull=True, updated_at__lt=cutoff, pk__gt=last_pk)
+                    .order_by("pk").values_list(*_REQUEUE_FIELDS)[:REQUEUE_PAGE])
+        yield from rows
+        if len(rows) < REQUEUE_PAGE:
+            break
+        last_pk = rows[-1][0]
+    after = None
+    while True:
+        page = unclaimed.filter(enqueued_at__lt=cutoff)
+        if after is not None:
+            page = page.filter(Q(enqueued_at__gt=after[1]) | Q(enqueued_at=after[1], pk__gt=after[0]))
+        rows = list(page.order_by("enqueued_at", "pk").values_list(*_REQUEUE_FIELDS)[:REQUEUE_PAGE])
+        yield from rows
+        if len(rows) < REQUEUE_PAGE:
+            return
+        after = rows[-1][:2]
+
+
 def requeue_unclaimed(now=None, budget: float | None = None) -> list[int]:
     """Re-send tasks waiting for a worker that nobody claimed for ORCH_REQUEUE_AFTER_SECONDS:
     `queued` ones, and `running` ones with no lease holder (between time slices, or
-    recovered) — their broker message may be lost.
+    recovered) — their broker message may be lost (a Redis restart; messages a dead host's
+    cluster had taken from the broker but not started, its prefetch).
 
     `budget` (seconds) stops it early; the rest are re-sent by the next pass. With a long
     queue every queued task is unclaimed for that long, and re-sending them all took the loop
     seconds per pass (about 40 re-sends/s on a loaded 2-core machine, 1,000 tasks queued:
-    bench/hosts.py), during which no stale task was recovered."""
+    bench/hosts.py), during which no stale task was recovered.
+
+    Oldest first, so that budget never starves anyone: the task that has waited longest since
+    its last hand-over goes first, and a re-sent task's `enqueued_at` becomes now, behind every
+    task not yet re-sent. Each pass thus goes on where the previous one stopped, and every
+    stranded task is re-sent within ceil(stranded / re-sends per pass) passes, whatever the
+    backlog. (It used to take the 500 newest by id: under a backlog the same new tasks were
+    re-sent pass after pass, and an old task whose message a dead host had taken was never
+    re-sent — issue 14's task that did not run again for 120 s.)"""
     now = now or timezone.now()
     stop_at = time.monotonic() + budget if budget is not None else None
     cutoff = now - timedelta(seconds=harness.requeue_after_seconds)
-    waiting = (Task.objects.filter(status__in=WAITING, lease_owner="")
-               .filter(Q(enqueued_at__lt=cutoff) | Q(enqueued_at__isnull=True, updated_at__lt=cutoff))
-               .values_list("pk", "enqueued_at", "checkpoint_version", "event_seq", "recovery_attempts",
-                            "lease_epoch")[:500])
     sent = []
-    for task_id, enqueued_at, checkpoint_version, event_seq, attempts, epoch in waiting:
+    for task_id, enqueued_at, checkpoint_version, event_seq, attempts, epoch in _oldest_unclaimed(cutoff):
         if stop_at is not None and time.monotonic() > stop_at:
             break
         # Compare-and-set: of several sweepers, one re-sends it.
@@ -231,7 +266,9 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict,
     - its key is in the idempotency store: it happened; reuse the recorded result;
     - the tool is idempotent and the task goes on: leave it pending; the step replays it
       with the same key;
-    - otherwise nobody knows whether it happened: open a review item (never guess). On a
+    - otherwise the tool's probe asks the other side (wal.probe_entry): `done` or `not_done`
+      settle it (a `not_done` is performed again with the same key when the task goes on);
+    - and what the probe cannot tell nobody knows: open a review item (never guess). On a
       task that has `ended` (stopped, terminated) nothing replays anything, so an idempotent
       effect in doubt is reviewed too: the decision records what happened, nothing runs.
     Returns the entries put in front of a reviewer. Runs in the caller's transaction.
@@ -249,6 +286,9 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict,
         elif entry.idempotent and not ended:
             log.info("recovery: idempotent effect will be replayed with the same key",
                      extra={**log_extra, "resume_strategy": "replay_idempotent"})
+        elif (probed := wal.probe_entry(entry)).settled:
+            log.info("recovery: effect in doubt settled by its probe (%s)", probed.state,
+                     extra={**log_extra, "resume_strategy": f"probe_{probed.state}"})
         else:
             log.info("recovery: effect in doubt; opening a review item",
                      extra={**log_extra, "resume_strategy": "open_review"})
@@ -262,7 +302,7 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict,
                 why = (f"Worker {worker} stopped ({cause}) after writing the intent for {entry.tool} at "
                        f"{entry.created_at:%Y-%m-%d %H:%M:%S} UTC and before recording its outcome. {entry.tool} "
                        f"is not idempotent: repeating it could do it twice, skipping it could lose it.")
-            wal.open_review(entry=entry, dead_worker=worker, reason=why)
+            wal.open_review(entry=entry, dead_worker=worker, reason=why, evidence={"probe": probed.how})
             opened.append(entry)
     return opened
 
