@@ -15,10 +15,16 @@ step had not committed; its effects replay from the WAL by their keys).
 
 The stack is durable (Task.stack) and part of every snapshot; depth is at most
 MAX_STACK_DEPTH. A pause or a crash with a frame on the stack resumes inside the subtask.
+
+Temporary files (TaskType.frame_temp_files): a frame lists the scratch files of the steps it
+interrupted and of its subtask's steps, with the policy TEMP_FILES_POLICY: deleted once the
+frame is popped (after the pop commits: a crash in between leaves them, listed in the
+snapshot). A task that ends with a frame still on its stack keeps them, listed there.
 """
 import hashlib
 import json
 import logging
+import os
 
 from django.db import transaction
 from django.utils import timezone
@@ -33,6 +39,7 @@ from .lease import Lease, lock_fenced
 log = logging.getLogger(__name__)
 
 LISTED = 200  # steps listed by id in a frame (counts are always complete)
+TEMP_FILES_POLICY = "deleted when the frame is popped"
 
 
 def runs_now(plan: PlanState, step_id: str) -> bool:
@@ -69,8 +76,13 @@ def apply(task_type, event: InboundEvent, params, plan: PlanState, *, depth: int
                            state=InboundState.REJECTED), None
     if not specs:
         return Applied(f"rejected: subtask {subtask!r} has nothing to do", state=InboundState.REJECTED), None
-    frame = suspended_frame(plan, event=event, subtask=subtask, args=args, steps=[s.id for s in specs],
-                            interrupted=interrupted, references=task_type.frame_references(params), depth=depth + 1)
+    steps = [s.id for s in specs]
+    references = {**task_type.frame_references(params),
+                  "temp_files": list(task_type.frame_temp_files(params, event.task_id, interrupted=list(interrupted),
+                                                                steps=steps)),
+                  "temp_files_policy": TEMP_FILES_POLICY}
+    frame = suspended_frame(plan, event=event, subtask=subtask, args=args, steps=steps,
+                            interrupted=interrupted, references=references, depth=depth + 1)
     if seen_at is not None:  # P0: how long the steps in flight ran on after the event arrived
         frame["interrupted_after_ms"] = round((seen_at - event.created_at).total_seconds() * 1000, 1)
     why = f" ({event.payload['reason']})" if event.payload.get("reason") else ""
@@ -125,6 +137,22 @@ def pop(lease: Lease, plan: PlanState) -> dict:
             "subtask": frame["subtask"], "depth": frame["depth"], "event": frame["event"], "steps": statuses,
             "cursor": frame["cursor"], "version": task.checkpoint_version})
     plan.version, plan.stack = task.checkpoint_version, list(task.stack)
+    removed = remove_temp_files(frame)
     log.info("task stack: frame popped", extra={"task_id": lease.task_id, "subtask": frame["subtask"],
-                                                "depth": frame["depth"]})
+                                                "depth": frame["depth"], "temp_files_removed": removed})
     return frame
+
+
+def remove_temp_files(frame: dict) -> int:
+    """The frame is popped (committed): delete the temporary files it lists. Those already
+    gone are fine; one that cannot be removed is logged, never fails the task."""
+    removed = 0
+    for path in (frame.get("references") or {}).get("temp_files") or []:
+        try:
+            os.remove(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("task stack: a temporary file of a popped frame could not be removed: %s (%s)", path, exc)
+    return removed

@@ -104,6 +104,14 @@ class TaskType:
         files and their cleanup policy), recorded in the frame so an operator sees it."""
         return {}
 
+    def frame_temp_files(self, params: BaseModel, task_id: int, *, interrupted: list[str],
+                         steps: list[str]) -> list[str]:
+        """The files a preemption leaves to clean up: those the `interrupted` steps had begun
+        (they write them anew when they run again) and those the subtask's `steps` write.
+        Recorded in the frame (`references.temp_files`) and deleted when the frame is popped
+        (engine/preemption.py); absolute paths, the type's own scratch files only."""
+        return []
+
     def regenerate_added_steps(self, old_params: dict, new_params: dict) -> bool:
         """After a parameter edit: should the steps that steps added at run time be dropped
         and their adders run again (to add them anew from the new params)? By default they
