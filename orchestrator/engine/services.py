@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..conf import harness
 from ..models import Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
-from . import actions, inbox, scheduler, states
+from . import actions, inbox, recovery, scheduler, states
 from .audit import audit
 from .events import append_event
 from .checkpoint import plan_from, plan_rows, skip_steps
@@ -138,6 +138,11 @@ def _request_control(task_id: int, control: str, *, target: str, actor, ip, reas
             # now, and fence off an executor that may just be starting on a queued task.
             inbox.settle_control(task, control, f"applied at once: no worker held the task ({task.status} → "
                                                 f"{target})")
+            if target in states.TERMINAL:
+                # An effect left pending (a recovered task queued to replay it, say) will never run
+                # again on an ended task: what nobody can settle goes to a reviewer, as on a running one.
+                recovery.settle_pending_wal(task, dead_worker="", cause=f"{control} of a task no worker held",
+                                            extra={"control": control}, ended=True)
             states.transition(task, target, reason=reason or f"{control} by an operator", actor=actor, ip=ip,
                               action=f"task.{control}", control="", lease_owner="",
                               lease_epoch=task.lease_epoch + 1)
@@ -213,6 +218,13 @@ def task_skip_step(*, task_id: int, step_id: str, reason: str, actor=None, ip=No
               after={"skipped": skipped})
         states.transition(task, S.QUEUED, reason=f"step {step_id} skipped by an operator; continuing", actor=actor,
                           ip=ip, action="task.resume", control="", lease_owner="", recovery_attempts=0)
+        # An operator action like pause or resume: an inbox row with its outcome, committed with it.
+        inbox.record_control(task, "skip_step", actor=actor,
+                             payload={"step": step_id, "reason": reason.strip()[:2000], "skipped": skipped})
+        dependants = [s for s in skipped if s != step_id]
+        inbox.settle_control(task, "skip_step", f"applied: skipped {step_id}" + (
+            f" and {len(dependants)} dependant{'s' if len(dependants) != 1 else ''} ({', '.join(dependants[:20])})"
+            if dependants else "") + "; the task continues")
         scheduler.enqueue(task.pk)
     log.info("step skipped by an operator", extra={"task_id": task_id, "step_id": step_id})
     return skipped

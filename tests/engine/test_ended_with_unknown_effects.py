@@ -216,3 +216,20 @@ def test_abort_on_an_ended_task_closes_the_item_and_moves_nothing_and_a_second_d
         review_decide(item_id=item.pk, decision="not_happened", note="changed my mind", actor=reviewer)
     assert WalEntry.objects.get(task=task).status == "pending"  # abort records no outcome; nothing ran
     assert len(silent_http.requests) == 1 and drive_inline(task.pk) == "not claimed"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("control", ["stop", "terminate"])
+def test_stopping_a_task_no_worker_holds_reviews_the_effect_it_left_pending(control, operator):
+    # A recovered task queued to replay an idempotent effect: ended now, nothing will replay it.
+    task = services.task_create(type="demo.pipeline", params={"stages": 1})
+    entry = WalEntry.objects.create(task=task, step_id="stage-1", call_index=0, tool="http.request",
+                                    args={"method": "PUT", "url": "http://127.0.0.1:9/x"},
+                                    idempotency_key=f"t{task.pk}:stage-1:0", idempotent=True, lease_epoch=1,
+                                    worker="gone:1")
+    getattr(services, f"task_{control}")(task_id=task.pk, actor=operator, reason="enough")
+    task.refresh_from_db()
+    assert task.status == {"stop": "stopped", "terminate": "terminated"}[control]
+    [item] = ReviewItem.objects.filter(task=task, status="open")
+    assert item.wal_entry_id == entry.pk
+    assert WalEntry.objects.get(pk=entry.pk).status == "pending"
