@@ -1,0 +1,81 @@
+"""Messages lost in a dead host's prefetch run again within a bounded time, under a backlog
+(issue 20, item 6; the task issue 14's bench saw not run again for 120 s).
+
+A django-q2 cluster takes messages from the broker ahead of running them (its internal
+queue holds up to workers² of them): Redis pops them, the ORM broker locks their rows for
+`retry` (twice ORCH_JOB_TIMEOUT_SECONDS). When the cluster is killed, those tasks are queued
+in the database, nobody holds them, and their messages are gone. Only the sweeper's re-send
+(ORCH_REQUEUE_AFTER_SECONDS) gets them going. It used to look at the 500 newest unclaimed
+tasks only: with a backlog of newer ones, the older stranded tasks were never re-sent."""
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+from django_q.conf import Conf
+from django_q.models import OrmQ
+
+from orchestrator.engine import services
+from orchestrator.models import Task
+from tests.conftest import wait_for
+
+pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
+
+REQUEUE_AFTER = 2
+MARGIN = 20  # the sweeper's start (a Django process), a broker poll, two short stages, a loaded machine
+BACKLOG = 600  # more than the 500 tasks the sweeper used to look at
+BLOCKER = {"mode": "sleep", "steps": 200, "seconds": 0.25}
+SHORT = {"stages": 2, "seconds_per_stage": 0.05}
+
+
+def messages_taken(broker: str, redis_url: str | None, expected: int) -> bool:
+    if broker == "redis":
+        import redis
+
+        return redis.Redis.from_url(redis_url).llen("django_q:orchestrator:q") == 0
+    return OrmQ.objects.filter(lock__gt=timezone.now()).count() >= expected
+
+
+@pytest.mark.parametrize("broker", ["orm", "redis"])
+def test_tasks_prefetched_by_a_killed_cluster_run_again_within_the_requeue_window(
+        broker, request, start_workers, start_sweeper, settings, monkeypatch):
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+    # The clusters' own schedule must not re-send anything: only the sweeper under test does.
+    env = {"ORCH_EXTRA_TASK_TYPES": "tests.support.testtypes", "ORCH_REQUEUE_AFTER_SECONDS": 600}
+    redis_url = None
+    if broker == "redis":
+        redis_url = request.getfixturevalue("private_redis").url
+        env["REDIS_URL"] = redis_url
+        monkeypatch.setattr(Conf, "ORM", None)  # this process sends the messages: to the workers' Redis
+        monkeypatch.setattr(Conf, "REDIS", redis_url)
+    doomed = start_workers(2, **env)
+    blockers = [services.task_create(type="test.interruptible", params=BLOCKER).pk for _ in range(2)]
+    wait_for(lambda: Task.objects.filter(pk__in=blockers, status="running").exclude(lease_owner="").count() == 2,
+             timeout=60, message="both worker slots busy")
+    prefetched = [services.task_create(type="demo.pipeline", params=SHORT).pk for _ in range(4)]
+    wait_for(lambda: messages_taken(broker, redis_url, expected=6), timeout=30,
+             message="the cluster to take the four messages from the broker")
+    assert Task.objects.filter(pk__in=prefetched, lease_epoch=0).count() == 4  # taken, not started
+    # A backlog of newer tasks waiting for a worker (their messages are somewhere in the
+    # broker, or lost too: the sweeper cannot tell).
+    backlog_since = timezone.now()
+    Task.objects.bulk_create(Task(type="demo.pipeline", params=SHORT, enqueued_at=backlog_since)
+                             for _ in range(BACKLOG))
+    survivor = start_workers(2, **env)
+    wait_for(lambda: len(survivor.worker_pids()) >= 2, timeout=60, message="the surviving cluster's workers")
+
+    doomed.stop()  # kill -9 of its whole process group: the prefetched messages die with it
+    killed = timezone.now()
+    for task_id in blockers:  # free the survivor's slots: the stranded tasks are the subject here
+        services.task_terminate(task_id=task_id, reason="test: blocker")
+    assert Task.objects.filter(pk__in=prefetched, status="queued", lease_owner="").count() == 4
+    start_sweeper(ORCH_REQUEUE_AFTER_SECONDS=REQUEUE_AFTER, **{k: v for k, v in env.items()
+                                                               if k != "ORCH_REQUEUE_AFTER_SECONDS"})
+
+    wait_for(lambda: Task.objects.filter(pk__in=prefetched, status="completed").count() == 4,
+             timeout=REQUEUE_AFTER + MARGIN,
+             message=f"the prefetched tasks to run again within {REQUEUE_AFTER + MARGIN} s of the kill: "
+                     f"{list(Task.objects.filter(pk__in=prefetched).values_list('status', 'lease_epoch'))}")
+    waited = timezone.now() - killed
+    assert waited < timedelta(seconds=REQUEUE_AFTER + MARGIN)
+    # Each ran once, from its first step (no duplicate run from a message that came back).
+    assert set(Task.objects.filter(pk__in=prefetched).values_list("lease_epoch", flat=True)) == {1}
