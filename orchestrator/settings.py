@@ -67,6 +67,8 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     # Serves /static/ under daphne too (runserver's static handling is not used).
     "whitenoise.middleware.WhiteNoiseMiddleware",
+    # A request waits a few seconds for SQLite's write lock, not the workers' 30 (orchestrator/database_busy.py).
+    "orchestrator.database_busy.RequestBusyTimeoutMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -75,6 +77,8 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     # An unreachable database is a 503 page, not a 500 (process_exception).
     "orchestrator.outage.DatabaseOutageMiddleware",
+    # SQLite's write lock held elsewhere is a 503 "busy, try again in 5 s" (asked before the line above).
+    "orchestrator.database_busy.DatabaseBusyMiddleware",
     "csp.middleware.CSPMiddleware",
     # Last, as django-axes requires: refuses logins for a locked-out username + IP.
     "axes.middleware.AxesMiddleware",
@@ -115,6 +119,9 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
     _db["CONN_HEALTH_CHECKS"] = False
     _db["OPTIONS"] = {
         "transaction_mode": "IMMEDIATE",
+        # Workers wait this long for the write lock (their checkpoints must land); a web
+        # request waits SQLITE_REQUEST_BUSY_TIMEOUT_SECONDS, then answers 503 with Retry-After
+        # (orchestrator/database_busy.py): a worker frozen while writing must not hang the web.
         "timeout": 30,
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
     }
@@ -132,6 +139,8 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
             if _file.exists() and _file.stat().st_uid == os.getuid() and _file.stat().st_mode & 0o077:
                 _file.chmod(0o600)
 DATABASES = {"default": _db}
+# How long a web request waits for SQLite's write lock before its 503 (database_busy.py).
+SQLITE_REQUEST_BUSY_TIMEOUT_SECONDS = 3
 
 # Rendered table rows (step and WAL rows, keyed by every value they show): live updates
 # re-render a task page's regions several times a second, and most rows have not changed.

@@ -2,10 +2,12 @@
 error (ours, ninja's, Django's, the engine's and the review queue's) as `{"detail", "errors"}`."""
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
+from django.db import OperationalError
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError, ValidationError as NinjaValidationError
 
 from ..engine import inbox, services
+from ..database_busy import RETRY_AFTER_SECONDS, busy_message, is_database_busy, log_busy
 from ..engine.states import InvalidTransition
 from ..primitives.jsonlimits import TooDeep
 from review import services as review_services
@@ -99,6 +101,18 @@ def install(api: NinjaAPI) -> None:
         response = api.create_response(request, body, status=exc.status)
         if exc.retry_after is not None:
             response["Retry-After"] = str(exc.retry_after)
+        return response
+
+    @api.exception_handler(OperationalError)
+    def on_database_error(request, exc: OperationalError):
+        # SQLite's write lock held by another process (a frozen worker): 503 with Retry-After
+        # after a few seconds (orchestrator/database_busy.py), in the API's own shape. Any other
+        # database error goes on to Django (an unreachable database: the outage middleware's 503).
+        if not is_database_busy(exc):
+            raise exc
+        log_busy(request)
+        response = api.create_response(request, {"detail": busy_message(), "errors": []}, status=503)
+        response["Retry-After"] = str(RETRY_AFTER_SECONDS)
         return response
 
     @api.exception_handler(review_services.ReviewClosed)
