@@ -87,6 +87,31 @@ class UpstreamReady(BaseModel):
     resource: str = Field("", max_length=500)
 
 
+class EditRecorded(BaseModel):
+    """An operator's parameter edit, as applied (written by revisions.apply_edit)."""
+    model_config = ConfigDict(extra="forbid")
+    diff: dict = Field(..., description="each changed parameter: [before, after]")
+    rerun: list[str] = Field(default_factory=list, description="finished steps that run again")
+    removed: list[str] = Field(default_factory=list, description="steps no longer in the plan")
+    limits: dict | None = Field(None, description="the task's limits, when the edit changed them")
+
+
+class RollbackRecorded(BaseModel):
+    """An operator's rollback, as applied (written by revisions.apply_rollback)."""
+    model_config = ConfigDict(extra="forbid")
+    to_version: int
+    rerun: list[str] = Field(default_factory=list, description="finished steps that run again")
+    effects_after: int = Field(0, description="side effects performed after that version (not undone)")
+
+
+class SkipStepRecorded(BaseModel):
+    """An operator's Skip step, as applied (written by services.task_skip_step)."""
+    model_config = ConfigDict(extra="forbid")
+    step: str
+    reason: str
+    skipped: list[str] = Field(default_factory=list, description="the step and the dependants it took with it")
+
+
 class Preempt(BaseModel):
     model_config = ConfigDict(extra="forbid")
     subtask: str = Field(..., min_length=1, max_length=100, description="one of the task type's subtasks")
@@ -127,7 +152,11 @@ OPERATORS_ONLY = {"operator": 0, "system": 0}
 # system posting approval.decided would approve a call no reviewer saw (refused, audited).
 REVIEW_SOURCE = "review"
 REVIEW_ONLY = {REVIEW_SOURCE: 1}
-CONTROL_TYPES = ("pause", "stop", "terminate", "resume")
+# Operator actions recorded as inbox rows by their own services, in the action's transaction
+# and consumed at once with its outcome: never sent through the inbox, never consumed by a run.
+RECORDED_ACTIONS = {"edit": "POST /api/tasks/{id}/resume with params", "rollback": "POST /api/tasks/{id}/rollback",
+                    "skip_step": "POST /api/tasks/{id}/skip-step"}
+CONTROL_TYPES = ("pause", "stop", "terminate", "resume", *RECORDED_ACTIONS)
 MAX_STACK_DEPTH = 4  # frames on a task stack (engine/preemption.py)
 
 REGISTRY: dict[str, EventType] = {t.name: t for t in (
@@ -135,6 +164,12 @@ REGISTRY: dict[str, EventType] = {t.name: t for t in (
     EventType("stop", 0, NoPayload, OPERATORS_ONLY, description="stop: cancel the running step, keep the work done"),
     EventType("terminate", 0, NoPayload, OPERATORS_ONLY, description="force-terminate: nothing left running"),
     EventType("resume", 1, NoPayload, OPERATORS_ONLY, description="continue a paused task from its checkpoint"),
+    EventType("edit", 1, EditRecorded, OPERATORS_ONLY,
+              description="parameters edited and the task resumed (recorded when applied)"),
+    EventType("rollback", 1, RollbackRecorded, OPERATORS_ONLY,
+              description="rolled back to a snapshot version and resumed (recorded when applied)"),
+    EventType("skip_step", 1, SkipStepRecorded, OPERATORS_ONLY,
+              description="a step skipped by an operator, the task continues (recorded when applied)"),
     EventType("preempt", 0, Preempt, OPERATORS_ONLY,
               description="suspend the current work, run an urgent subtask first, then continue"),
     EventType("unit.failed", 2, UnitFailed, {"operator": 2, "system": 2, "webhook": 2, "internal": 2},
@@ -262,7 +297,8 @@ def _send(*, task_id: int, type: str, payload: dict | None, priority, source: st
         if task.status in states.TERMINAL:
             raise InboxRefused(409, f"task #{task.pk} is {task.status}: it takes no more events")
         if type in CONTROL_TYPES:
-            raise InboxRefused(422, f"{type!r} is an operator control: use POST /api/tasks/{{id}}/{type}", field="type")
+            endpoint = RECORDED_ACTIONS.get(type, f"POST /api/tasks/{{id}}/{type}")
+            raise InboxRefused(422, f"{type!r} is an operator control: use {endpoint}", field="type")
         event_type, priority, clean = validate(task, type, priority, payload, source)
         payload_hash = digest(clean)
         if source_event_id:
@@ -380,13 +416,16 @@ def _pause_for_backlog(task: Task) -> None:
 
 
 def record_control(task: Task, type_name: str, *, actor=None, source: str = "operator",
-                   source_event_id: str = "") -> Sent:
-    """An operator control (pause, stop, terminate, resume) as an inbox row, in the caller's
-    transaction with the task row locked (engine/services.py). Pending until the runner
-    acknowledges it, or settled at once when no runner holds the task (settle_control)."""
+                   source_event_id: str = "", payload: dict | None = None) -> Sent:
+    """An operator control (pause, stop, terminate, resume; edit, rollback, skip_step with
+    what they did as `payload`) as an inbox row, in the caller's transaction with the task
+    row locked (engine/services.py, engine/revisions.py). Pending until the runner
+    acknowledges it, or settled at once (settle_control): when no runner holds the task, and
+    always for the RECORDED_ACTIONS, which are applied by the service that records them."""
     event_type = REGISTRY[type_name]
     source_event_id = (source_event_id or "").strip()[:200]
-    payload_hash = digest({})
+    payload = event_type.payload.model_validate(payload or {}).model_dump(mode="json")
+    payload_hash = digest(payload)
     if source_event_id:
         first = InboundEvent.objects.filter(task=task, source=source, source_event_id=source_event_id).first()
         if first is not None:
@@ -400,7 +439,7 @@ def record_control(task: Task, type_name: str, *, actor=None, source: str = "ope
     event = InboundEvent.objects.create(
         task=task, seq=task.inbox_seq, type=type_name, priority=event_type.default_priority, source=source,
         actor=actor if getattr(actor, "is_authenticated", False) else None,
-        actor_name=getattr(actor, "username", "") or source, source_event_id=source_event_id, payload={},
+        actor_name=getattr(actor, "username", "") or source, source_event_id=source_event_id, payload=payload,
         payload_sha256=payload_hash, visible_at=timezone.now())
     return Sent(event)
 

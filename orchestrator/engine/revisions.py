@@ -24,7 +24,7 @@ from ..models import InboundEvent, Step, StepStatus, Task, TaskStatus as S, WalE
 from ..tasktypes import get_type
 from ..tasktypes.base import StepSpec
 from ..tools.base import ToolError, get_tool
-from . import actions, scheduler, snapshots, states
+from . import actions, inbox, scheduler, snapshots, states
 from .checkpoint import snapshot_now, step_row
 from .events import append_event
 from .inbox import INBOX_ADDER
@@ -230,6 +230,13 @@ def apply_edit(*, task_id: int, new_params: dict, expected_version: int | None, 
         if granted and granted != {k: v for k, v in get_type(task.type).grants(before["params"]).items() if v}:
             audit(action="task.grant", actor=actor, ip=ip, task=task, reason="granted by a parameter edit",
                   after=granted)
+        # An operator action like pause or resume: an inbox row with its outcome, committed with it.
+        inbox.record_control(task, "edit", actor=actor, payload={
+            "diff": preview.param_diff, "rerun": preview.rerun[:200], "removed": preview.removed[:200],
+            "limits": task.limits if limits else None})
+        inbox.settle_control(task, "edit", f"applied: parameters edited ({', '.join(preview.param_diff) or 'none'}); "
+                                           f"{len(preview.rerun)} finished step(s) run again; queued from "
+                                           f"checkpoint v{task.checkpoint_version}")
         scheduler.enqueue(task.pk)
     return preview
 
@@ -328,5 +335,11 @@ def apply_rollback(*, task_id: int, version: int, expected_version: int | None,
                           extra={"to_version": version})
         audit(action="task.rollback", actor=actor, ip=ip, task=task, before=before,
               after={"to_version": version, "params": task.params, "preview": preview.as_dict()})
+        inbox.record_control(task, "rollback", actor=actor, payload={
+            "to_version": version, "rerun": preview.rerun[:200], "effects_after": len(preview.effects_after)})
+        inbox.settle_control(task, "rollback", f"applied: rolled back to v{version}; {len(preview.rerun)} finished "
+                                               f"step(s) run again; {len(preview.effects_after)} side effect(s) "
+                                               f"performed after it are not undone; queued from checkpoint "
+                                               f"v{task.checkpoint_version}")
         scheduler.enqueue(task.pk)
     return preview
