@@ -204,6 +204,9 @@ class WalEntry(models.Model):
     worker = models.CharField(max_length=200, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     completed_at = models.DateTimeField(null=True, blank=True)
+    # "probe": an outcome in doubt that the tool's probe settled (done or not done) by asking
+    # the other side, so no reviewer saw it; "" otherwise. Counted on the review queue's page.
+    settled_by = models.CharField(max_length=20, blank=True, default="")
 
     class Meta:
         ordering = ["task", "id"]

@@ -207,6 +207,16 @@ EMAIL_HOST = os.environ.get("EMAIL_HOST", "127.0.0.1")
 EMAIL_PORT = int(os.environ.get("EMAIL_PORT", "1025"))
 EMAIL_TIMEOUT = float(os.environ.get("EMAIL_TIMEOUT", "30"))
 DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "orchestrator@localhost")
+# The sending account's mailbox over IMAP (optional): email.send files a copy of each message
+# in its Sent folder, and the probe looks a message in doubt up there by Message-ID
+# (orchestrator/tools/email.py). Empty EMAIL_IMAP_HOST: no copy, no probe.
+EMAIL_IMAP_HOST = os.environ.get("EMAIL_IMAP_HOST", "")
+EMAIL_IMAP_PORT = int(os.environ.get("EMAIL_IMAP_PORT", "993"))
+EMAIL_IMAP_USE_SSL = os.environ.get("EMAIL_IMAP_USE_SSL", "true" if EMAIL_IMAP_PORT == 993 else "false").lower() in (
+    "1", "true", "yes")
+EMAIL_IMAP_USER = os.environ.get("EMAIL_IMAP_USER", "")
+EMAIL_IMAP_PASSWORD = os.environ.get("EMAIL_IMAP_PASSWORD", "")
+EMAIL_IMAP_SENT_FOLDER = os.environ.get("EMAIL_IMAP_SENT_FOLDER", "Sent")
 
 # --- The model (orchestrator/llm) ------------------------------------------------------
 # Any OpenAI-compatible Chat Completions server. The defaults point at the stand-in model

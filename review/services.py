@@ -12,7 +12,7 @@ import logging
 from django.db import transaction
 from django.utils import timezone
 
-from orchestrator.engine import approvals, inbox, scheduler, states
+from orchestrator.engine import approvals, inbox, scheduler, states, wal
 from orchestrator.engine.audit import audit
 from orchestrator.engine.events import append_event
 from orchestrator.engine.services import FieldError, InvalidInput
@@ -34,13 +34,24 @@ def open_for_effect_in_doubt(sender, *, entry: WalEntry, reason: str, dead_worke
     return review_open(entry=entry, reason=reason, dead_worker=dead_worker, evidence=evidence)
 
 
-def review_open(*, entry: WalEntry, reason: str, dead_worker: str = "", evidence: dict | None = None) -> ReviewItem:
+def review_open(*, entry: WalEntry, reason: str, dead_worker: str = "",
+                evidence: dict | None = None) -> ReviewItem | None:
     """Open (or return the open) review item for a WAL entry in doubt; in the caller's transaction.
     `evidence`: what the tool itself saw when the outcome became unknown (its phase, its error),
-    added to what the tool can tell about the key."""
+    added to what the tool can tell about the key.
+
+    The tool's probe runs first (unless the caller ran it: `evidence["probe"]` says what it
+    found), so a reviewer sees only what it could not settle: settled, no item is opened
+    (None), and a task left awaiting a review that never opened continues after the commit."""
     existing = ReviewItem.objects.filter(wal_entry=entry).first()
     if existing is not None and existing.status == ReviewStatus.OPEN:
         return existing
+    if "probe" not in (evidence or {}):
+        probed = wal.probe_entry(entry)
+        if probed.settled:
+            transaction.on_commit(lambda: continue_if_nothing_to_review(entry.task_id))
+            return None
+        evidence = {**(evidence or {}), "probe": probed.how}
     try:
         gathered = get_tool(entry.tool).evidence(entry.args, key=entry.idempotency_key) or {}
     except Exception as exc:  # evidence is a courtesy; its absence must not block the review
@@ -62,6 +73,18 @@ def review_open(*, entry: WalEntry, reason: str, dead_worker: str = "", evidence
     log.warning("review opened", extra={"task_id": entry.task_id, "wal_entry_id": entry.pk,
                                         "resume_strategy": "awaiting_review"})
     return item
+
+
+def continue_if_nothing_to_review(task_id: int) -> None:
+    """A task sent to awaiting_review for effects its tools' probes then settled has nothing
+    to wait for: it continues, as after a reviewer's last decision."""
+    with transaction.atomic():
+        task = states.lock_task(task_id)
+        if task.status != S.AWAITING_REVIEW or ReviewItem.objects.filter(task=task, status=ReviewStatus.OPEN).exists():
+            return
+        states.transition(task, S.QUEUED, reason="the effects in doubt were settled by their probes; continuing",
+                          action="review.resume", lease_owner="")
+        scheduler.enqueue(task.pk)
 
 
 def open_for_approval(sender, *, task_id: int, step_id: str, tool: str, arguments: dict, context: str = "",

@@ -266,7 +266,9 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict,
     - its key is in the idempotency store: it happened; reuse the recorded result;
     - the tool is idempotent and the task goes on: leave it pending; the step replays it
       with the same key;
-    - otherwise nobody knows whether it happened: open a review item (never guess). On a
+    - otherwise the tool's probe asks the other side (wal.probe_entry): `done` or `not_done`
+      settle it (a `not_done` is performed again with the same key when the task goes on);
+    - and what the probe cannot tell nobody knows: open a review item (never guess). On a
       task that has `ended` (stopped, terminated) nothing replays anything, so an idempotent
       effect in doubt is reviewed too: the decision records what happened, nothing runs.
     Returns the entries put in front of a reviewer. Runs in the caller's transaction.
@@ -284,6 +286,9 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict,
         elif entry.idempotent and not ended:
             log.info("recovery: idempotent effect will be replayed with the same key",
                      extra={**log_extra, "resume_strategy": "replay_idempotent"})
+        elif (probed := wal.probe_entry(entry)).settled:
+            log.info("recovery: effect in doubt settled by its probe (%s)", probed.state,
+                     extra={**log_extra, "resume_strategy": f"probe_{probed.state}"})
         else:
             log.info("recovery: effect in doubt; opening a review item",
                      extra={**log_extra, "resume_strategy": "open_review"})
@@ -297,7 +302,7 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict,
                 why = (f"Worker {worker} stopped ({cause}) after writing the intent for {entry.tool} at "
                        f"{entry.created_at:%Y-%m-%d %H:%M:%S} UTC and before recording its outcome. {entry.tool} "
                        f"is not idempotent: repeating it could do it twice, skipping it could lose it.")
-            wal.open_review(entry=entry, dead_worker=worker, reason=why)
+            wal.open_review(entry=entry, dead_worker=worker, reason=why, evidence={"probe": probed.how})
             opened.append(entry)
     return opened
 

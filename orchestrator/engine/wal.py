@@ -17,6 +17,11 @@ How a tool's failure is read (tools/base.py):
   `pending` with the error recorded and raises AmbiguousEffect: the task goes to review,
   exactly as if its worker had died in the middle of the call.
 
+Before anyone is asked, a tool's *probe* asks the other side (probe_entry(); tools/base.py
+Tool.probe): `done` settles the entry done with the probe's result, `not_done` settles it
+failed (performed again with the same key), and only `unknown` goes to review. Entries a
+probe settled carry settled_by="probe" (counted on the review queue's page).
+
 A *transactional* tool (its effect is writes in the harness's own database: db.upsert)
 commits intent, effect, idempotency record and `done` in one transaction: all or nothing,
 never in doubt, and the step costs two commits (that one and its checkpoint).
@@ -40,7 +45,7 @@ from django.utils import timezone
 
 from .. import telemetry
 from ..models import IdempotencyRecord, Task, WalEntry, WalStatus
-from ..tools.base import OutcomeUnknown, ToolError, get_tool
+from ..tools.base import OutcomeUnknown, ProbeResult, ToolError, get_tool
 from ..primitives.cancellation import Cancelled
 from ..primitives.faults import fault_point
 from .lease import Lease, LeaseLost, bump_fenced
@@ -155,11 +160,18 @@ def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args
             mark_failed(entry.pk, unknown)  # a replay with the same key cannot duplicate it
             raise EffectFailed(entry.pk, unknown) from exc
         mark_unknown(entry.pk, unknown)
+        # Ask the other side before anyone else is asked (outside any transaction: the probe is I/O).
+        probed = probe_entry(entry)
+        if probed.state == ProbeResult.DONE:
+            completed.append(CompletedEffect(entry.pk, key, tool_name, probed.result, committed=True))
+            return probed.result
+        if probed.state == ProbeResult.NOT_DONE:
+            raise EffectFailed(entry.pk, ToolError(f"{unknown}; then {probed.how}")) from exc
         log.warning("effect outcome unknown: waiting for review",
                     extra={"task_id": lease.task_id, "step_id": step_id, "wal_entry_id": entry.pk})
         raise AmbiguousEffect(entry, reason=f"{unknown}. {tool_name} is not idempotent: repeating it could do it "
                                             f"twice, skipping it could lose it.",
-                              evidence={"failure": str(unknown), **unknown.evidence}) from exc
+                              evidence={"failure": str(unknown), **unknown.evidence, "probe": probed.how}) from exc
     fault_point("after_effect", step_id)
     completed.append(CompletedEffect(entry.pk, key, tool_name, result))
     return result
@@ -256,6 +268,34 @@ def mark_unknown(entry_id: int, error: Exception) -> None:
     """The entry stays `pending` (in doubt, exactly as after a crash); the error says why."""
     WalEntry.objects.filter(pk=entry_id, status=WalStatus.PENDING).update(
         error=f"outcome unknown: {error}"[:5000])
+
+
+def probe_entry(entry: WalEntry) -> ProbeResult:
+    """Run the tool's probe for an entry in doubt and record what it settles: `done` → the
+    entry done with the probe's result (and its key in the idempotency store, as a reviewer's
+    "happened" would), `not_done` → failed (the step performs it again with the same key; an
+    ended task does not), both with settled_by="probe"; `unknown` changes nothing. Only a
+    `pending` entry is changed (another settler may have been first). In the caller's
+    transaction, if any; the probe itself is I/O bounded by PROBE_TIMEOUT_SECONDS."""
+    try:
+        probed = get_tool(entry.tool).probe(entry.args, key=entry.idempotency_key)
+    except Exception as exc:  # a broken probe must never settle anything, nor stop the review
+        probed = ProbeResult.unknown(f"the probe failed ({type(exc).__name__}: {exc}): a reviewer decides")
+    extra = {"task_id": entry.task_id, "wal_entry_id": entry.pk, "probe": probed.state}
+    if probed.state == ProbeResult.DONE:
+        with transaction.atomic():
+            if WalEntry.objects.filter(pk=entry.pk, status=WalStatus.PENDING).update(
+                    status=WalStatus.DONE, result=probed.result, completed_at=timezone.now(), settled_by="probe",
+                    error=f"settled by probe: {probed.how}"[:5000]):
+                IdempotencyRecord.objects.get_or_create(key=entry.idempotency_key,
+                                                        defaults={"tool": entry.tool, "result": probed.result})
+        log.info("effect in doubt settled by its probe: done", extra=extra)
+    elif probed.state == ProbeResult.NOT_DONE:
+        WalEntry.objects.filter(pk=entry.pk, status=WalStatus.PENDING).update(
+            status=WalStatus.FAILED, completed_at=timezone.now(), settled_by="probe",
+            error=f"settled by probe: not done ({probed.how})"[:5000])
+        log.info("effect in doubt settled by its probe: not done", extra=extra)
+    return probed
 
 
 def mark_done(effects: list[CompletedEffect]) -> None:

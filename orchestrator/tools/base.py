@@ -1,6 +1,7 @@
 """Side-effect tools. Each declares whether a call is idempotent (safe to replay after a
 crash left it in doubt). Steps never call tools directly: they go through ctx.effect(),
 which writes the WAL intent first (orchestrator/engine/wal.py)."""
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..primitives.cancellation import CancellationToken
@@ -25,6 +26,42 @@ class OutcomeUnknown(Exception):
     def __init__(self, message: str, *, evidence: dict | None = None):
         super().__init__(message)
         self.evidence = evidence or {}
+
+
+# A probe may take the time of one short request: recovery and the review queue wait for it.
+PROBE_TIMEOUT_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What a tool's probe found out about an effect in doubt, by asking the other side:
+    `done` (with the result the step expects from perform()), `not_done` (certainly never
+    happened: it is performed again with the same key) or `unknown` (a reviewer decides).
+    `how` says what was asked and what came back, for the record and the reviewer."""
+
+    DONE: ClassVar[str] = "done"
+    NOT_DONE: ClassVar[str] = "not_done"
+    UNKNOWN: ClassVar[str] = "unknown"
+
+    state: str
+    how: str
+    result: Any = None
+
+    @classmethod
+    def done(cls, result: Any, how: str) -> "ProbeResult":
+        return cls(cls.DONE, how, result)
+
+    @classmethod
+    def not_done(cls, how: str) -> "ProbeResult":
+        return cls(cls.NOT_DONE, how)
+
+    @classmethod
+    def unknown(cls, how: str) -> "ProbeResult":
+        return cls(cls.UNKNOWN, how)
+
+    @property
+    def settled(self) -> bool:
+        return self.state != self.UNKNOWN
 
 
 class Tool:
@@ -58,6 +95,13 @@ class Tool:
     def repeat_consequence(self, args: dict, *, idempotent: bool) -> str:
         """What performing this call again does, in an operator's words (revision previews)."""
         return "replays harmlessly (idempotent)" if idempotent else "will be performed again"
+
+    def probe(self, args: dict, *, key: str) -> ProbeResult:
+        """Ask the other side whether the call with `key` happened, without performing it:
+        run by recovery and the review queue before a reviewer is asked (engine/wal.py,
+        probe_entry). Must never perform the effect, and should answer within
+        PROBE_TIMEOUT_SECONDS. `unknown` when the tool has no way to tell."""
+        return ProbeResult.unknown(f"{self.name} has no probe: a reviewer decides")
 
     def evidence(self, args: dict, *, key: str) -> dict | None:
         """What the tool can tell a reviewer about whether `key` happened (None: nothing)."""

@@ -5,9 +5,20 @@ PUT, DELETE, OPTIONS) or when the call sends an Idempotency-Key header
 (`"idempotency_key": true` in args), which the server uses to drop repeats.
 
 A failure says whether the request can have reached the server: before the connection
-is up (refused, DNS, a connect timeout) it is *not performed*, and so is any answer with
-a status; once the connection is up, a timeout, a reset or a cancellation before the
-status arrives is *outcome unknown* (the server may be acting on it right now).
+is up (refused, DNS, a connect timeout) it is *not performed*; once the connection is up,
+a timeout, a reset or a cancellation before the status arrives is *outcome unknown* (the
+server may be acting on it right now). An error status is sorted by what it can mean
+(status_failure): a 4xx is a refusal (*not performed*), and so are 429 and a 503 with
+Retry-After ("not now, retry later") and 501/505; any other 5xx — 500, 502, 504, a proxy's
+timeout — can come after the upstream acted: the tool reports it *outcome unknown*.
+
+The probe (HttpRequest.probe) asks without performing: a call whose args name a
+`status_url` (`{key}` in it is replaced by the idempotency key) is looked up with a GET
+sent with the same Idempotency-Key header: a 2xx means it happened (its JSON is the
+recorded answer), 404 or 410 that it did not, anything else is unknown. Without a
+status_url nothing can be asked: a keyed call is then settled by its own replay with the
+same key when the task goes on (the server dedupes: replay is its probe), and otherwise,
+like a plain POST, goes to a reviewer.
 
 Args with `"egress": "policy"` (the agent's `http_request` always sends it) are policed
 (orchestrator/tools/egress.py, docs/egress.md): the destination and every redirect are
@@ -28,10 +39,10 @@ from collections.abc import Iterator
 
 from django.conf import settings
 
-from ..primitives.cancellation import Cancelled
+from ..primitives.cancellation import CancellationToken, Cancelled
 from ..primitives.faults import fault_point_for_key
 from . import egress
-from .base import OutcomeUnknown, Tool, ToolError, register
+from .base import PROBE_TIMEOUT_SECONDS, OutcomeUnknown, ProbeResult, Tool, ToolError, register
 
 IDEMPOTENT_METHODS = {"GET", "HEAD", "PUT", "DELETE", "OPTIONS"}
 MAX_BODY = 1_000_000
@@ -51,6 +62,39 @@ def policed(args: dict) -> bool:
     if value != POLICY:
         raise ToolError(f"http.request: unknown egress mode {value!r}; the only one is {POLICY!r}")
     return True
+
+
+class ErrorStatus(ToolError):
+    """The server answered with an error status. `unknown`: the status can come after the
+    upstream acted on the request (see status_failure); otherwise it refused it."""
+
+    def __init__(self, message: str, *, status: int, unknown: bool, retry_after: str | None = None,
+                 body: str = ""):
+        super().__init__(message)
+        self.status, self.unknown, self.retry_after, self.body = status, unknown, retry_after, body
+
+
+# 5xx answers that say the request was not taken: not implemented, or an HTTP version the
+# server does not speak. Every other 5xx may come after the work was done (a 500 raised
+# after the write, a proxy's 502/504 after the upstream acted on it).
+REFUSING_5XX = {501, 505}
+
+
+def status_failure(method: str, url: str, error: urllib.error.HTTPError) -> ErrorStatus:
+    """An error answer sorted into a refusal (not performed) or an outcome unknown."""
+    retry_after = error.headers.get("Retry-After") if error.headers is not None else None
+    try:
+        body = error.read(2000).decode("utf-8", errors="replace")
+    except (OSError, ValueError, http.client.HTTPException):
+        body = ""
+    answered = f"{method} {url} answered {error.code} {error.reason}"
+    if error.code == 429 or (error.code == 503 and retry_after is not None):
+        return ErrorStatus(f"{answered}: not performed, retry later (Retry-After: {retry_after or 'not given'})",
+                           status=error.code, unknown=False, retry_after=retry_after, body=body)
+    if error.code >= 500 and error.code not in REFUSING_5XX:
+        return ErrorStatus(f"{answered}: a server error that can come after the server (or the upstream behind "
+                           f"a proxy) acted on the request", status=error.code, unknown=True, body=body)
+    return ErrorStatus(answered, status=error.code, unknown=False, retry_after=retry_after, body=body)
 
 
 class ResponseBroken(ToolError):
@@ -190,7 +234,7 @@ def _send(request, opener, *, timeout: float, token, progress: RequestProgress):
     try:
         return opener.open(request, timeout=timeout)
     except urllib.error.HTTPError as exc:
-        raise ToolError(f"{request.method} {url} answered {exc.code} {exc.reason}") from exc
+        raise status_failure(request.method, url, exc) from exc
     except (OSError, http.client.HTTPException) as exc:
         token.raise_if_cancelled()
         limit = progress.time_limit
@@ -352,7 +396,7 @@ def _policed_call(args: dict, *, token, idempotency_key: str | None, progress: R
 @register
 class HttpRequest(Tool):
     name = "http.request"
-    description = "HTTP request: {method, url, headers?, json?|body?, timeout?, idempotency_key?}."
+    description = "HTTP request: {method, url, headers?, json?|body?, timeout?, idempotency_key?, status_url?}."
 
     def is_idempotent(self, args: dict) -> bool:
         return args.get("method", "GET").upper() in IDEMPOTENT_METHODS or bool(args.get("idempotency_key"))
@@ -385,3 +429,38 @@ class HttpRequest(Tool):
         except ResponseBroken as exc:
             raise OutcomeUnknown(f"{method} {args['url']}: {exc}", evidence={
                 "phase": "reading the response", "method": method, "url": args["url"], "error": str(exc)}) from exc
+        except ErrorStatus as exc:
+            if not exc.unknown:
+                raise  # refused: not performed
+            raise OutcomeUnknown(str(exc), evidence={"phase": "answered with an error status", "method": method,
+                                                     "url": args["url"], "status": exc.status,
+                                                     "body": exc.body[:1000]}) from exc
+
+    def probe(self, args: dict, *, key: str) -> ProbeResult:
+        template = args.get("status_url")
+        if not template:
+            return ProbeResult.unknown(f"{args.get('method', 'GET').upper()} {args.get('url')} names no status_url: "
+                                       f"nothing to ask the server")
+        url = str(template).replace("{key}", urllib.parse.quote(key, safe=""))
+        lookup = {"method": "GET", "url": url, "headers": dict(args.get("headers") or {}),
+                  "timeout": PROBE_TIMEOUT_SECONDS}
+        if policed(args):
+            lookup["egress"] = POLICY  # the lookup obeys the same policy as the call
+        asked = f"GET {url} (Idempotency-Key: {key})"
+        try:
+            answer = http_call(lookup, token=CancellationToken(), idempotency_key=key)
+        except ErrorStatus as exc:
+            if exc.status in (404, 410):
+                return ProbeResult.not_done(f"{asked} answered {exc.status}: the server has no such request")
+            return ProbeResult.unknown(f"{asked} answered {exc.status}: cannot tell")
+        except (ToolError, OutcomeUnknown) as exc:
+            return ProbeResult.unknown(f"{asked} failed ({exc}): cannot tell")
+        if not 200 <= answer["status"] < 300:
+            return ProbeResult.unknown(f"{asked} answered {answer['status']}: cannot tell")
+        try:
+            recorded = json.loads(answer["body"])
+        except ValueError:
+            recorded = answer["body"]
+        return ProbeResult.done({"status": answer["status"], "body": answer["body"], "truncated": answer["truncated"],
+                                 "probed": url, "recorded": recorded},
+                                f"{asked} answered {answer['status']}: the server has it")

@@ -13,10 +13,14 @@ Two kinds of command:
   clean environment (INHERITED_ENVIRONMENT, the call's `env`, ORCH_IDEMPOTENCY_KEY), never
   the worker's secrets.
 
-Outcome classes: a command that could not start, or exited non-zero, is *not performed*
-(by convention a failing command reports its failure; retry); one killed by its timeout
-or by a cancellation while running is *outcome unknown* (it may have done part or all of
-its work)."""
+Outcome classes: a command that could not start is *not performed*. One that started and
+exited non-zero did work nobody can size (a script may fail after its first write): *outcome
+unknown* (a non-idempotent call goes to review; an idempotent one is retried), unless the
+step declares `"nonzero_means_not_performed": true` (the command does all or nothing, e.g.
+one transaction) — then it is *not performed* and retried. In the sandbox a non-zero exit is
+*not performed*: the command can change nothing outside its scratch directory, which is
+removed after. One killed by its timeout or by a cancellation while running is *outcome
+unknown* (it may have done part or all of its work)."""
 import os
 import signal
 import subprocess
@@ -111,8 +115,8 @@ def run_in_group(argv: list[str], *, token, cwd: str | None = None, env: dict | 
 @register
 class ShellRun(Tool):
     name = "shell.run"
-    description = ("Run a command in its own process group: {argv, cwd?, env?, timeout?, idempotent?}, or in "
-                   "the sandbox: {argv, timeout?, sandbox: true}.")
+    description = ("Run a command in its own process group: {argv, cwd?, env?, timeout?, idempotent?, "
+                   "nonzero_means_not_performed?}, or in the sandbox: {argv, timeout?, sandbox: true}.")
 
     def is_idempotent(self, args: dict) -> bool:
         # A sandboxed command can change nothing outside its scratch directory (removed after).
@@ -149,13 +153,20 @@ class ShellRun(Tool):
         result = {"returncode": done.returncode, "stdout": done.stdout[-OUTPUT_TAIL:],
                   "stderr": done.stderr[-OUTPUT_TAIL:]}
         if done.returncode != 0:
-            raise ToolError(f"{args['argv'][0]} exited with {done.returncode}: {done.stderr[-500:].strip()}")
+            failure = f"{args['argv'][0]} exited with {done.returncode}: {done.stderr[-500:].strip()}"
+            if args.get("nonzero_means_not_performed"):
+                raise ToolError(f"{failure} (the step declares that a non-zero exit means nothing was done)")
+            raise OutcomeUnknown(f"{failure}; it may have done part of its work before failing (a step that knows "
+                                 f"a failure does nothing declares \"nonzero_means_not_performed\": true)",
+                                 evidence={"phase": "exited non-zero", "argv": args["argv"],
+                                           "returncode": done.returncode, "stderr": done.stderr[-1000:]})
         return result
 
     def _perform_sandboxed(self, args: dict, *, token) -> dict:
         from .sandbox import run_sandboxed  # sandbox builds on this module's process groups
 
         result = run_sandboxed(args["argv"], token=token, timeout=args.get("timeout"))
+        # Not performed: whatever the command did stayed in its scratch directory, now gone.
         if result["returncode"] != 0:
             raise ToolError(f"{args['argv'][0]} exited with {result['returncode']}: "
                             f"{result['stderr'][-500:].strip()}")
