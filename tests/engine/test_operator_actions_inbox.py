@@ -115,3 +115,14 @@ def test_the_inbox_api_lists_them(client, operator):
     listed = client.get(f"/api/tasks/{task.pk}/inbox").json()
     [edit] = [row for row in listed if row["type"] == "edit"]
     assert edit["state"] == "consumed" and edit["outcome"].startswith("applied: parameters edited")
+
+
+def test_the_task_page_inbox_shows_a_skip_step_with_its_outcome(client, operator):
+    from django.urls import reverse
+
+    task = services.task_create(type="test.flaky", params={"mode": "same"})
+    drive_inline(task.pk)
+    services.task_skip_step(task_id=task.pk, step_id="work", reason="garbage row", actor=operator)
+    client.force_login(operator)
+    page = client.get(reverse("task_detail", kwargs={"task_id": task.pk})).content.decode()
+    assert "skip_step" in page and "applied: skipped work; the task continues" in page
