@@ -3,7 +3,9 @@ from django.db.models import Q, QuerySet
 from orchestrator.agent.toolbox import TOOLS as AGENT_TOOLS
 from orchestrator.tools.base import all_tools
 
-from .models import ReviewItem, ReviewStatus
+from orchestrator.models import WalEntry
+
+from .models import ReviewItem, ReviewKind, ReviewStatus
 
 
 def review_list(*, status: str = "open", task_id: int | None = None, tool: str = "") -> QuerySet[ReviewItem]:
@@ -38,6 +40,15 @@ def tool_names() -> list[str]:
 
 def review_detail(review_id: int) -> ReviewItem:
     return ReviewItem.objects.select_related("task", "wal_entry", "decided_by").get(pk=review_id)
+
+
+def settled_by_probes() -> dict:
+    """How many side effects in doubt the tools' probes settled without a reviewer, of all
+    that were in doubt (those, and those that went to review): the review queue's header."""
+    probed = WalEntry.objects.filter(settled_by="probe").count()
+    reviewed = ReviewItem.objects.filter(kind=ReviewKind.EFFECT).count()
+    total = probed + reviewed
+    return {"probed": probed, "in_doubt": total, "percent": round(100 * probed / total) if total else None}
 
 
 def open_count() -> int:

@@ -79,6 +79,7 @@ def review_list(request):
         "task_filter_invalid": bool(raw_task) and task_id is None,
         "filters": filters,
         "filter_query": urlencode(filters),
+        "probes": selectors.settled_by_probes(),
     })
 
 

@@ -4,6 +4,7 @@ then answers 502 (or refuses with 503 + Retry-After), a payment-like API that de
 Idempotency-Key and answers a status lookup by key (tests/support/keyed_server.py), a real
 subprocess, and a real IMAP server (dovecot) holding the sending account's Sent folder."""
 import json
+import shutil
 import sys
 import threading
 import urllib.parse
@@ -12,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from django.db import transaction
+from django.urls import reverse
 from django.utils import timezone
 
 from orchestrator.engine import services
@@ -248,6 +250,16 @@ def test_shell_run_exit_classes_at_the_tool():
                      key="k2", token=token)
 
 
+@pytest.mark.skipif(shutil.which("bwrap") is None,
+                    reason="sandbox test skipped: no bwrap (enable it with `apt-get install bubblewrap`)")
+def test_a_sandboxed_command_that_exits_non_zero_is_not_performed():
+    # Whatever it did stayed in its scratch directory, removed after: nothing to review.
+    with pytest.raises(ToolError) as refused:
+        get_tool("shell.run").perform({"argv": ["/bin/sh", "-c", "echo x > f; exit 4"], "sandbox": True}, key="k3",
+                                      token=CancellationToken())
+    assert not isinstance(refused.value, OutcomeUnknown) and "exited with 4" in str(refused.value)
+
+
 # --- probes in recovery and in the review queue ---------------------------------------------
 
 def test_recovery_of_a_stopped_tasks_pending_keyed_call_is_settled_by_its_probe(keyed_status):
@@ -370,3 +382,16 @@ def test_recovery_settles_an_email_never_begun_as_not_done_and_sends_it_once(smt
     drive_inline(task.pk)
     assert Task.objects.get(pk=task.pk).status == "completed"
     assert smtp.keys() == [entry.idempotency_key]
+
+
+# --- the share settled by probes --------------------------------------------------------------
+
+def test_the_review_queue_shows_the_share_of_unknowns_settled_by_probes(acting, keyed_status, reviewer, client):
+    client.force_login(reviewer)
+    assert "No side effect has been in doubt yet" in client.get(reverse("review:queue")).content.decode()
+    server = acting(status=502)
+    one_effect("http.request", {"method": "POST", "url": server.url(), "json": {"order": "o-7"},
+                                "status_url": server.url("/orders/o-7")})  # settled by its probe
+    one_effect("http.request", {"method": "POST", "url": server.url(), "json": {"order": "o-8"}})  # review
+    page = client.get(reverse("review:queue")).content.decode()
+    assert "without a reviewer: 1 of 2 effects in doubt (50 %)" in page
