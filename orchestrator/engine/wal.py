@@ -208,9 +208,9 @@ WITH t AS (
     WHERE id = %(task_id)s AND lease_epoch = %(epoch)s AND lease_owner = %(owner)s RETURNING id
 ), w AS (
     INSERT INTO {wal} (task_id, step_id, call_index, tool, args, idempotency_key, idempotent, status, result,
-                       error, lease_epoch, worker, created_at, completed_at)
+                       error, lease_epoch, worker, created_at, completed_at, settled_by)
     SELECT %(task_id)s, %(step_id)s, %(call_index)s, %(tool)s, %(args)s::jsonb, %(key)s, %(idempotent)s, 'done',
-           %(result)s::jsonb, '', %(epoch)s, %(worker)s, %(now)s, %(now)s FROM t
+           %(result)s::jsonb, '', %(epoch)s, %(worker)s, %(now)s, %(now)s, '' FROM t
     RETURNING id
 ), i AS (
     INSERT INTO {idempotency} (key, tool, result, created_at)
