@@ -73,6 +73,28 @@ def held_by(host: subprocess.Popen, hosts) -> dict[int, tuple[int, str]]:
             if host_of(t.worker_pid, hosts) is host}
 
 
+def prefetched() -> dict[int, int]:
+    """Tasks whose message some cluster has taken from the broker but that no worker has claimed
+    (in a cluster's prefetch, django-q2's internal queue): {task id: lease epoch}. The victim's
+    die with it; only the sweeper's re-send gets them going (ORCH_REQUEUE_AFTER_SECONDS)."""
+    from django.utils import timezone
+    from django_q.signing import SignedPackage
+
+    waiting = dict(Task.objects.filter(status__in=("queued", "running"), lease_owner="")
+                   .values_list("pk", "lease_epoch"))
+    if BROKER == "redis":
+        import redis
+
+        listed = redis.Redis.from_url(os.environ["REDIS_URL"]).lrange("django_q:orchestrator:q", 0, -1)
+        in_broker = {SignedPackage.loads(m)["args"][0] for m in listed}
+        return {pk: epoch for pk, epoch in waiting.items() if pk not in in_broker}
+    from django_q.models import OrmQ
+
+    taken = {SignedPackage.loads(p)["args"][0]
+             for p in OrmQ.objects.filter(lock__gt=timezone.now()).values_list("payload", flat=True)}
+    return {pk: epoch for pk, epoch in waiting.items() if pk in taken}
+
+
 def main():
     for task_id in Task.objects.exclude(status__in=TERMINAL).values_list("pk", flat=True):
         services.task_terminate(task_id=task_id, reason="bench: left over")
@@ -90,6 +112,9 @@ def main():
     waited: list[float] = []  # lease taken back -> running again: waiting for a free worker slot
     held_total = 0
     never: list[int] = []  # tasks a dead host held that did not run again within the 120 s watched
+    # Tasks in some cluster's prefetch at the kill (the victim's among them): kill -> claimed.
+    prefetch_claimed: list[float] = []
+    prefetch_never: list[int] = []
     try:
         for kill in range(KILLS):
             deadline = time.monotonic() + 60
@@ -101,6 +126,7 @@ def main():
             if not held:
                 print(f"  kill {kill + 1}: the host held no running task; skipped")
                 continue
+            taken = prefetched()
             killed_at = time.monotonic()
             held_total += len(held)
             os.killpg(victim.pid, signal.SIGKILL)
@@ -109,7 +135,12 @@ def main():
             pending, holding = dict(held), dict(held)
             released_at: dict[int, float] = {}
             ran_again = 0
-            while pending and time.monotonic() - killed_at < 120:
+            while (pending or taken) and time.monotonic() - killed_at < 120:
+                claimed = Task.objects.filter(pk__in=list(taken)).values_list("pk", "status", "lease_epoch")
+                for task_id, status, epoch in claimed:
+                    if status in TERMINAL or epoch > taken[task_id]:
+                        prefetch_claimed.append(time.monotonic() - killed_at)
+                        del taken[task_id]
                 for task_id, (epoch, owner) in list(pending.items()):
                     t = Task.objects.filter(pk=task_id).only("status", "lease_epoch", "worker_pid", "lease_owner").first()
                     if task_id in holding and (t.lease_owner != owner or t.lease_epoch > epoch):
@@ -126,6 +157,7 @@ def main():
                         del pending[task_id]
                 time.sleep(0.02)
             never += list(pending)
+            prefetch_never += list(taken)
             for task_id in pending:  # why: what the database says of each one still waiting
                 t = Task.objects.get(pk=task_id)
                 print(f"    task {task_id} not running again: status {t.status}, lease {t.lease_owner or '-'} "
@@ -133,7 +165,8 @@ def main():
                       f"{t.recovering_since and f'{t.recovering_since:%H:%M:%S}'}")
             print(f"  kill {kill + 1}: host held {len(held)} running task(s); released after "
                   f"{', '.join(f'{v:.2f}' for v in released[-(len(held) - len(holding)):]) if len(held) > len(holding) else '-'} s; "
-                  f"{ran_again} running again elsewhere within 120 s")
+                  f"{ran_again} running again elsewhere within 120 s; {len(taken)} task(s) prefetched at the kill "
+                  f"not claimed within 120 s")
             hosts = others + [spawn("qcluster")]  # the host comes back
         done = Task.objects.filter(pk__in=ids, status="completed").count()
         doubled = (TaskEvent.objects.filter(task_id__in=ids, kind="step_done")
@@ -152,6 +185,13 @@ def main():
         late = sum(1 for seconds in recoveries if seconds > RUN_AGAIN_WITHIN) + len(never)
         print(f"  tasks that failed to run again within {RUN_AGAIN_WITHIN:g} s: {late} of {held_total} held by "
               f"killed hosts ({len(never)} not within 120 s{': ' + ', '.join(map(str, never)) if never else ''})")
+        late = sum(1 for seconds in prefetch_claimed if seconds > RUN_AGAIN_WITHIN) + len(prefetch_never)
+        if prefetch_claimed or prefetch_never:
+            print(f"  tasks taken from the broker but not started at a kill (any host's prefetch; the killed host's "
+                  f"are lost): n {len(prefetch_claimed) + len(prefetch_never)}, claimed p50 "
+                  f"{pct(prefetch_claimed, 50) if prefetch_claimed else float('nan'):.2f} s, p95 "
+                  f"{pct(prefetch_claimed, 95) if prefetch_claimed else float('nan'):.2f} s; "
+                  f"not within {RUN_AGAIN_WITHIN:g} s: {late} ({len(prefetch_never)} not within 120 s)")
         print(f"  steps committed twice (fencing): {doubled}; tasks completed so far: {done}/{TASKS}")
     finally:
         # The hosts first: a task that finished meanwhile made the terminate below fail and
