@@ -86,12 +86,12 @@ def prefetched() -> dict[int, int]:
         import redis
 
         listed = redis.Redis.from_url(os.environ["REDIS_URL"]).lrange("django_q:orchestrator:q", 0, -1)
-        in_broker = {SignedPackage.loads(m)["args"][0] for m in listed}
+        in_broker = {package["args"][0] for package in map(SignedPackage.loads, listed) if package.get("args")}
         return {pk: epoch for pk, epoch in waiting.items() if pk not in in_broker}
     from django_q.models import OrmQ
 
-    taken = {SignedPackage.loads(p)["args"][0]
-             for p in OrmQ.objects.filter(lock__gt=timezone.now()).values_list("payload", flat=True)}
+    packages = map(SignedPackage.loads, OrmQ.objects.filter(lock__gt=timezone.now()).values_list("payload", flat=True))
+    taken = {package["args"][0] for package in packages if package.get("args")}  # schedules carry no task id
     return {pk: epoch for pk, epoch in waiting.items() if pk in taken}
 
 
