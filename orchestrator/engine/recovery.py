@@ -132,7 +132,10 @@ def requeue_unclaimed(now=None, budget: float | None = None) -> list[int]:
     stranded task is re-sent within ceil(stranded / re-sends per pass) passes, whatever the
     backlog. (It used to take the 500 newest by id: under a backlog the same new tasks were
     re-sent pass after pass, and an old task whose message a dead host had taken was never
-    re-sent — issue 14's task that did not run again for 120 s.)"""
+    re-sent.) A re-sent message still joins the back of the broker's queue: under a backlog, a
+    dead host's prefetched tasks then wait for every message ahead of them (bench/hosts.py
+    counts them); making them go first needs telling a lost message from one that waits in a
+    live cluster, which nothing here does yet."""
     now = now or timezone.now()
     stop_at = time.monotonic() + budget if budget is not None else None
     cutoff = now - timedelta(seconds=harness.requeue_after_seconds)
