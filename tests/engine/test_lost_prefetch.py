@@ -53,7 +53,7 @@ def test_tasks_prefetched_by_a_killed_cluster_run_again_within_the_requeue_windo
     wait_for(lambda: Task.objects.filter(pk__in=blockers, status="running").exclude(lease_owner="").count() == 2,
              timeout=60, message="both worker slots busy")
     prefetched = [services.task_create(type="demo.pipeline", params=SHORT).pk for _ in range(4)]
-    wait_for(lambda: messages_taken(broker, redis_url, expected=6), timeout=30,
+    wait_for(lambda: messages_taken(broker, redis_url, expected=6), timeout=60,
              message="the cluster to take the four messages from the broker")
     assert Task.objects.filter(pk__in=prefetched, lease_epoch=0).count() == 4  # taken, not started
     # A backlog of newer tasks waiting for a worker (their messages are somewhere in the
