@@ -14,6 +14,7 @@ from django.urls import reverse
 
 from orchestrator.engine import actions, services
 from orchestrator.engine.worker import drive_inline
+from tests.support.helpers import drive_and_close
 from orchestrator.models import AuditEntry, Task, WalEntry
 from orchestrator.presenters import fragments
 from orchestrator.selectors import task_export
@@ -45,16 +46,6 @@ def hung(request, silent_http, misbehaving_smtp):
         params = {"kind": "nonidempotent", "to": "ann@example.org"}
         reached = lambda: len(misbehaving_smtp.received)  # noqa: E731
     return kind, params, reached
-
-
-def drive_and_close(task_id: int) -> None:
-    """drive_inline on a thread of its own, which closes its database connection after."""
-    from django.db import connection
-
-    try:
-        drive_inline(task_id)
-    finally:
-        connection.close()
 
 
 def worker_env(misbehaving_smtp, **overrides) -> dict:

@@ -110,13 +110,7 @@ def test_a_post_cancelled_in_flight_is_recorded_as_unknown_not_as_not_performed(
 
     from tests.conftest import wait_for
 
-    from django.db import connection
-
-    def drive_and_close(task_id: int) -> None:  # its own connection, closed (PostgreSQL's teardown)
-        try:
-            drive_inline(task_id)
-        finally:
-            connection.close()
+    from tests.support.helpers import drive_and_close
 
     task = services.task_create(type="test.effects", params={"kind": "post", "url": silent_http.url, "timeout": 60})
     runner = threading.Thread(target=drive_and_close, args=(task.pk,))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.engine import services
-from orchestrator.engine.worker import drive_inline
+from tests.support.helpers import drive_and_close
 from orchestrator.models import Step, Task, WalEntry
 from review.models import ReviewItem
 from tests.conftest import wait_for
@@ -17,14 +17,6 @@ from tests.support.testtypes import starts
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def drive_and_close(task_id: int) -> None:
-    """drive_inline on a thread of its own, which closes its database connection after."""
-    from django.db import connection
-
-    try:
-        drive_inline(task_id)
-    finally:
-        connection.close()
 TEST_TYPES = {"ORCH_EXTRA_TASK_TYPES": "tests.support.testtypes"}
 
 

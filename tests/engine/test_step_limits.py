@@ -8,7 +8,7 @@ import time
 import pytest
 
 from orchestrator.engine import services
-from orchestrator.engine.worker import drive_inline
+from tests.support.helpers import drive_and_close
 from orchestrator.models import Step, Task, WalEntry
 from orchestrator.tasktypes.base import StepSpec
 from review.models import ReviewItem
@@ -19,14 +19,6 @@ from tests.support.testtypes import starts
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def drive_and_close(task_id: int) -> None:
-    """drive_inline on a thread of its own, which closes its database connection after."""
-    from django.db import connection
-
-    try:
-        drive_inline(task_id)
-    finally:
-        connection.close()
 FINAL = ("paused", "completed", "failed", "needs_human", "awaiting_review", "stopped")
 
 

@@ -16,3 +16,16 @@ def settle(task_id: int, timeout: float = 60) -> Task:
     """Wait until the task stops moving by itself (done, failed, or waiting for a person)."""
     wait_for(lambda: Task.objects.get(pk=task_id).status in SETTLED, timeout=timeout, message="the task to settle")
     return Task.objects.get(pk=task_id)
+
+
+def drive_and_close(task_id: int) -> None:
+    """drive_inline for a thread of its own: its database connection is closed after (else
+    PostgreSQL's test teardown waits on it)."""
+    from django.db import connection
+
+    from orchestrator.engine.worker import drive_inline
+
+    try:
+        drive_inline(task_id)
+    finally:
+        connection.close()
