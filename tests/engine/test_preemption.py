@@ -6,7 +6,7 @@ from orchestrator.engine import inbox, services, snapshots
 from orchestrator.engine.inbox import InboxRefused
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import DemoContractExtraction, InboundEvent, Step, Task, TaskEvent
-from orchestrator.tasktypes import get_type
+from tests.support import helpers
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -21,25 +21,7 @@ def done_order(task_id: int) -> list[str]:
 
 @pytest.fixture
 def preempt_during(monkeypatch):
-    """Send a preempt from inside the run while `step_id` runs: once the runner's supervisor
-    has seen it (the step's token is then cancelled), the step goes on and is interrupted."""
-    from tests.conftest import wait_for
-
-    contracts = type(get_type("demo.contracts"))
-    real = contracts.run_step
-    sent = []
-
-    def arm(step_id: str, payload: dict):
-        def run_step(self, ctx, current):
-            if current == step_id and not sent:
-                sent.append(inbox.send(task_id=ctx.task_id, type="preempt", payload=payload, source="operator"))
-                wait_for(lambda: ctx._runner.preempting, timeout=10, message="the preempt seen")
-            return real(self, ctx, current)
-
-        monkeypatch.setattr(contracts, "run_step", run_step)
-        return sent
-
-    return arm
+    return helpers.preempt_during(monkeypatch, "demo.contracts")
 
 
 def test_the_batch_preempted_after_8_reparses_5_first_then_continues_and_the_summary_uses_it(preempt_during,

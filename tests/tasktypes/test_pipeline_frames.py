@@ -9,32 +9,15 @@ import pytest
 from orchestrator.engine import inbox, preemption, services, snapshots
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import InboundEvent, Step, Task
-from orchestrator.tasktypes import get_type
 from orchestrator.tasktypes.pipeline import work_dir
-from tests.conftest import wait_for
+from tests.support import helpers
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
 def preempt_during(monkeypatch):
-    """Send a preempt from inside the run while `step_id` starts: once the supervisor has
-    seen it (the step's token is cancelled), the step goes on and is interrupted."""
-    pipeline = type(get_type("demo.pipeline"))
-    real = pipeline.run_step
-    sent = []
-
-    def arm(step_id: str, payload: dict):
-        def run_step(self, ctx, current):
-            if current == step_id and not sent:
-                sent.append(inbox.send(task_id=ctx.task_id, type="preempt", payload=payload, source="operator"))
-                wait_for(lambda: ctx._runner.preempting, timeout=10, message="the preempt seen")
-            return real(self, ctx, current)
-
-        monkeypatch.setattr(pipeline, "run_step", run_step)
-        return sent
-
-    return arm
+    return helpers.preempt_during(monkeypatch, "demo.pipeline")
 
 
 @pytest.fixture
