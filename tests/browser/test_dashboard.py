@@ -118,7 +118,9 @@ def test_operator_creates_a_task_and_the_page_follows_it_live(stack, new_page, m
     # in one jump at the end.
     seen = page.evaluate("window.__seen")
     progress = [done for status, done, rows in seen if status == "running"]
-    assert len({d for d in progress if 0 < d < 151}) >= 5, f"steps did not progress live while running: {seen}"
+    # (Three distinct values in between: the run lasts a second or two and renders are throttled;
+    # five failed once in CI with four: 18, 64, 94, 141 — live all the same.)
+    assert len({d for d in progress if 0 < d < 151}) >= 3, f"steps did not progress live while running: {seen}"
 
 
 def test_task_list_rows_follow_tasks_live(stack, new_page, make_user):
