@@ -22,6 +22,7 @@ import time
 import uuid
 from contextlib import contextmanager
 
+from django.conf import settings
 from django.db import transaction
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -29,6 +30,7 @@ from ..agent import history, toolbox
 from ..llm import LLMCancelled, LLMClient, LLMStreamCut
 from ..llm.client import estimate_prompt_tokens, estimate_tokens
 from ..models import AgentMessage, WalEntry
+from ..roles import is_admin
 from . import register
 from .base import StepSpec, TaskType
 
@@ -106,10 +108,6 @@ def authorize(params: dict, *, actor, before: dict | None = None) -> list[tuple[
     admin; waiving approval is an admin's too. `actor` None is the installation itself (the
     command line, code): it may grant what the installation enables. What an edit keeps from
     `before` is not granted again."""
-    from django.conf import settings
-
-    from ..roles import is_admin
-
     asked, had = grants(params), grants(before or {})
     problems = []
     disabled = [t for t in asked["host_tools"] if t not in settings.ORCH_AGENT_HOST_TOOLS]
