@@ -27,8 +27,16 @@ run: migrate
 	$(PY) manage.py runstack
 
 ## Run the test suite (DATABASE_URL selects PostgreSQL; REDIS_URL the Redis channel layer).
-test: install
+MCP_NPM := var/mcp-npm
+MCP_NPM_PACKAGES := @modelcontextprotocol/server-everything@2026.8.31
+test: install $(MCP_NPM)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+## An MCP server from the npm registry for tests/mcp (its tests skip, saying so, without npm).
+$(MCP_NPM)/.installed:
+	@if command -v npm >/dev/null 2>&1; then \
+	  npm install --silent --no-audit --no-fund --prefix $(MCP_NPM) $(MCP_NPM_PACKAGES) && touch $@; \
+	else echo "npm not found: tests/mcp's npm server test will skip (install Node.js and npm, then make test)"; fi
 
 ## Side-by-side benchmark on PostgreSQL (DATABASE_URL, default .../bench_compare; created if missing):
 ## ours vs DBOS vs LangGraph, our engine at 100/1,000/10,000 steps, many tasks on real workers.

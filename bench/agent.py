@@ -5,6 +5,12 @@ and SQL statements; bytes the dialog and the steps keep in the database.
 
     .venv/bin/python bench/agent.py [--contracts 20] [--runs 3]
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/bench_agent .venv/bin/python bench/agent.py
+    .venv/bin/python bench/agent.py --long 200 [--window 8192]
+
+--long N: one agent reading N items, one per turn, in a model window of --window tokens (the
+dialog is compacted as it goes; tool `item_read` from tests/agent/long_run_tools.py): the
+harness's overhead per turn near turn 10 and near the last turn (a history rebuilt from more
+and more rows would make the late turns slower), and the request size over the run.
 
 Prints figures; asserts nothing.
 """
@@ -24,7 +30,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contracts", type=int, default=20)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--long", type=int, default=0, help="one long run of this many turns instead")
+    parser.add_argument("--window", type=int, default=8192)
     args = parser.parse_args()
+    if args.long:
+        _django.setup("bench_agent_long", ORCH_EXTENSIONS="tests.agent.long_run_tools",
+                      LLM_CONTEXT_WINDOW=str(args.window))
+        long_run(args.long, args.window)
+        return
     _django.setup("bench_agent")
 
     from django.conf import settings
@@ -93,6 +106,76 @@ def main() -> None:
         values = [r[key] for r in rows]
         print(f"  {label:34s} median {statistics.median(values):10.2f}   min {min(values):10.2f}")
     print("  (a step is an LLM turn or a tool call; overhead = wall - model - tools, spread over the steps)")
+
+
+def long_run(items: int, window: int) -> None:
+    from django.conf import settings
+    from django.db import connection
+
+    from orchestrator.agent import compaction, toolbox
+    from orchestrator.engine import services
+    from orchestrator.engine.worker import drive_inline
+    from orchestrator.llm import client as llm_client
+    from orchestrator.llm.standin import StandinServer, _estimate_prompt_tokens
+    from orchestrator.models import Step
+
+    calls: list[tuple[float, float, bool]] = []  # (start, end, is a summary) of each model call
+    tool_time: list[tuple[float, float]] = []
+    real_chat, real_call = llm_client.LLMClient.chat, toolbox.call
+
+    def chat(self, messages, *a, **k):
+        started = time.perf_counter()
+        try:
+            return real_chat(self, messages, *a, **k)
+        finally:
+            calls.append((started, time.perf_counter(), messages[0].get("content") == compaction.SUMMARY_PROMPT))
+
+    def call(*a, **k):
+        started = time.perf_counter()
+        try:
+            return real_call(*a, **k)
+        finally:
+            tool_time.append((started, time.perf_counter()))
+
+    llm_client.LLMClient.chat, toolbox.call = chat, call
+    goal = f"Read items 1 to {items} with item_read, one per turn, keeping a running total; then answer with the total."
+    with StandinServer(token_seconds=0) as model:
+        settings.LLM_BASE_URL, settings.LLM_API_KEY = model.base_url, "standin"
+        settings.LLM_MODEL = f"standin-planner+context_window={window}"
+        task = services.task_create(type="agent.plan_execute", params={
+            "goal": goal, "tools": ["item_read"], "max_turns": items + 10, "max_tokens_per_call": 300})
+        started = time.perf_counter()
+        outcome = drive_inline(task.pk)
+        wall = time.perf_counter() - started
+        requests = [r for r in model.requests if r.path.endswith("/chat/completions")]
+    turn_calls = [c for c in calls if not c[2]]
+    # A turn's overhead: from the end of its model call to the start of the next turn's, less the
+    # time inside tools between them; turns next to a compaction are left out (they include it).
+    overheads = []
+    for (_, end, _), (start_next, _, _) in zip(turn_calls, turn_calls[1:]):
+        if any(end <= c[0] < start_next for c in calls if c[2]):
+            overheads.append(None)
+            continue
+        inside = sum(min(t1, start_next) - max(t0, end) for t0, t1 in tool_time if t0 < start_next and t1 > end)
+        overheads.append((start_next - end - inside) * 1000)
+
+    def near(turn: int) -> float:
+        around = [o for o in overheads[max(0, turn - 6):turn + 5] if o is not None]
+        return statistics.median(around)
+
+    sizes = [_estimate_prompt_tokens(r.body) for r in requests if r.body["messages"][0].get("content")
+             != compaction.SUMMARY_PROMPT]
+    compactions = sum(1 for s in Step.objects.filter(task=task, step_id__startswith="compact-", status="done")
+                      if (s.result or {}).get("compacted"))
+    print(f"agent.plan_execute, one run of {items} items on {_django.database_label()} ({connection.vendor}), stand-in "
+          f"model with a {window}-token window, zero think time: outcome {outcome}, {len(turn_calls)} turns, "
+          f"{compactions} compactions, wall {wall:.1f} s")
+    early, late = near(10), near(len(overheads) - 5)
+    print(f"  harness overhead per turn near turn 10: {early:8.1f} ms   near turn {len(overheads)}: {late:8.1f} ms   "
+          f"ratio {late / early:.2f} (turns next to a compaction left out)")
+    marks = sorted({0, 9, len(sizes) // 4, len(sizes) // 2, 3 * len(sizes) // 4, len(sizes) - 1})
+    print("  request size (estimated prompt tokens) at turn: "
+          + ", ".join(f"{m + 1}: {sizes[m]}" for m in marks) + f"; largest {max(sizes)} of the {window}-token window")
 
 
 if __name__ == "__main__":

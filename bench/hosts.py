@@ -95,6 +95,27 @@ def prefetched() -> dict[int, int]:
     return {pk: epoch for pk, epoch in waiting.items() if pk in taken}
 
 
+def messages_of(task_id: int) -> str:
+    """Where the broker holds the task's messages (ORM: row id and lock; Redis: list positions)."""
+    from django.utils import timezone
+    from django_q.signing import SignedPackage
+
+    if BROKER == "redis":
+        import redis
+
+        listed = redis.Redis.from_url(os.environ["REDIS_URL"]).lrange("django_q:orchestrator:q", 0, -1)
+        at = [i for i, raw in enumerate(listed) if (SignedPackage.loads(raw).get("args") or (None,))[0] == task_id]
+        return f"at {at} of {len(listed)} in the list" if at else f"none of the {len(listed)} in the list"
+    from django_q.models import OrmQ
+
+    rows = [(pk, lock) for pk, lock, payload in OrmQ.objects.values_list("pk", "lock", "payload")
+            if (SignedPackage.loads(payload).get("args") or (None,))[0] == task_id]
+    now = timezone.now()
+    ahead = {pk: OrmQ.objects.filter(pk__lt=pk, lock__lte=now).count() for pk, _ in rows}
+    return ", ".join(f"row {pk} " + (f"locked until {lock:%H:%M:%S}" if lock > now else f"waiting, {ahead[pk]} before it")
+                     for pk, lock in rows) or "no row"
+
+
 def main():
     for task_id in Task.objects.exclude(status__in=TERMINAL).values_list("pk", flat=True):
         services.task_terminate(task_id=task_id, reason="bench: left over")
@@ -163,6 +184,12 @@ def main():
                 print(f"    task {task_id} not running again: status {t.status}, lease {t.lease_owner or '-'} "
                       f"epoch {t.lease_epoch}, enqueued {t.enqueued_at:%H:%M:%S.%f}, recovering since "
                       f"{t.recovering_since and f'{t.recovering_since:%H:%M:%S}'}")
+            for task_id in taken:  # a prefetched one not claimed: the task, and its messages in the broker
+                t = Task.objects.get(pk=task_id)
+                print(f"    task {task_id} prefetched at the kill, not claimed within 120 s: status {t.status}, "
+                      f"epoch {t.lease_epoch}, enqueued {t.enqueued_at:%H:%M:%S.%f} (killed at "
+                      f"{time.strftime('%H:%M:%S', time.localtime(time.time() - (time.monotonic() - killed_at)))}); "
+                      f"its messages: {messages_of(task_id)}")
             print(f"  kill {kill + 1}: host held {len(held)} running task(s); released after "
                   f"{', '.join(f'{v:.2f}' for v in released[-(len(held) - len(holding)):]) if len(held) > len(holding) else '-'} s; "
                   f"{ran_again} running again elsewhere within 120 s; {len(taken)} task(s) prefetched at the kill "

@@ -6,10 +6,15 @@ was lost or duplicated, no process was left behind and no task is stuck.
 
 Everything it breaks is its own: a private PostgreSQL cluster (initdb/pg_ctl on a free port,
 tests/support/services.py), a private Redis broker (REDIS_URL for the workers: django-q2's
-Redis broker) and an SMTP server (tests/support/misbehaving.py) running in this process.
-Against them run `--clusters` real `manage.py qcluster` processes (ORCH_WORKERS each) and a
-real sweeper (`manage.py recover --loop`). Mixed demo.migrate_rows / demo.notify /
-demo.pipeline tasks are created as earlier ones finish.
+Redis broker), an SMTP server (tests/support/misbehaving.py) and an HTTP upstream (SoakUpstream),
+both running in this process. Against them run `--clusters` real `manage.py qcluster`
+processes (ORCH_WORKERS each) and a real sweeper (`manage.py recover --loop`). Mixed
+demo.migrate_rows / demo.notify / demo.pipeline / soak.post tasks are created as earlier ones
+finish. soak.post (bench/soak_types.py, loaded with ORCH_EXTRA_TASK_TYPES) POSTs to the
+upstream through the WAL, one POST a step, each step with StepSpec(timeout=3 s); 30 % of them
+are keyed (an Idempotency-Key and a status_url the tool's probe asks), the rest plain
+non-idempotent POSTs. The upstream records each POST it acts on by its reference
+(X-Soak-Ref: t<task>:<step>) and, keyed, acts once per key.
 
 Faults (kind: what is done):
 - kill_executor: kill -9 of a running task's executor (Task.worker_pid);
@@ -25,30 +30,58 @@ Faults (kind: what is done):
 - smtp_drop_after_data / smtp_reply_late: the next message is taken and the connection
   dropped before the reply / answered after EMAIL_TIMEOUT (each SMTP fault is counted when
   it fires);
+- stop_mid_send / force_mid_send: the SMTP server takes the next message and holds its reply
+  while the soak asks an operator's Stop / Force-terminate of the sending task through the
+  services the dashboard's buttons call (services.task_stop / task_terminate, as a user of the
+  operator group); counted when the request reached a task a worker was running;
+- stop_mid_post / force_mid_post: the same with the upstream holding its answer to a POST
+  (8 s) after acting on it;
+- upstream_502_after_acting: the upstream acts on the next POST, then answers 502 (an outcome
+  unknown: review for a plain POST, a replay with the same key for a keyed one);
+- step_timeout: the upstream acts on the next POST and holds its answer past the step's
+  timeout (6 s): the timeout cancels the step with the POST in flight;
+  (the upstream's faults are counted when they fire; a POST meets at most one fault;)
 - broker_purge: the waiting messages of the Redis list `django_q:orchestrator:q` are deleted
   (counted only when it removed some);
 - redis_restart: kill -9 + restart of the private Redis (every few minutes; >= 1);
 - pg_restart: `pg_ctl stop -m immediate` + start of the private PostgreSQL (every few
   minutes; >= 1).
+Each kind happens at least once: the fault phase goes on, within its time budget (the asked
+duration + half of it, at most + 120 s), until every kind has been counted.
 Every process this script starts carries SOAK_RUN_ID in its environment; nothing without it
-is ever signalled.
+is ever signalled. A Force-terminate's executor tree is watched like a kill -9's (stray after
+KILL_STRAY_SECONDS). The settle phase also waits for the open review items to be decided.
 
 A scripted reviewer decides each open review item from the SMTP server's log: the message
-with that X-Idempotency-Key was received -> "happened", else "not_happened".
+with that X-Idempotency-Key was received -> "happened", else "not_happened"; for an
+http.request, from the upstream's: it acted on that reference -> "happened", else
+"not_happened". Items of ended (stopped, terminated) tasks too: there the decision records
+what happened and runs nothing. Its users have no email address (the review.opened
+notifications would go to the soak's SMTP server); an email without an X-Idempotency-Key
+meets no fault and is not counted.
 
 At the end (faults stopped, everything settled or the settle timeout passed, workers shut
 down) it prints faults by kind, tasks by final status, review decisions and the invariants,
 each of which must be 0:
 - lost: notify recipients who got no email, migrate tasks whose destination rows are
-  missing or wrong, pipeline tasks without their final output, tasks not completed;
-- duplicated: extra copies of a message (by X-Idempotency-Key and by (task, recipient)),
-  minus copies a reviewer's not_happened explains (one that arrived before the decision);
+  missing or wrong, pipeline tasks without their final output, soak.post steps whose POST
+  the upstream never acted on, tasks not completed — except the tasks the soak's own Stop /
+  Force-terminate ended (stopped/terminated: nothing of them is owed; reported by kind);
+- duplicated: extra copies of a message (by X-Idempotency-Key and by (task, recipient)) and
+  POSTs the upstream acted on twice (by reference), minus copies a reviewer's not_happened
+  explains (one that arrived before the decision); ended tasks' effects count too;
 - stray: processes of this run still alive after shutdown (by environment marker, by
   `pgrep -f` for pipeline stage scripts, and by process tree: this script is a child
   subreaper, so orphans are re-parented to it), processes of a cluster still alive once
   its orderly stop (stop_cluster) is over, and processes of a killed executor, worker or
   cluster (its process tree just before the kill) still alive KILL_STRAY_SECONDS after it;
-- stuck: tasks not in a final state.
+- stuck: tasks not in a final state;
+- unreviewed (unknown effects): WAL rows whose outcome nobody knows and nobody recorded — still
+  `pending` once every task has ended, without a decided review item; or marked `failed`
+  (did not happen) on an outcome the tool reported unknown, on an ended task, with neither a
+  reviewer's decision nor a probe behind it.
+It also prints the tasks the soak stopped / terminated by fault kind, review decisions by tool,
+outcomes in doubt its probes settled, and the step timeouts in the workers' logs.
 Exit status 1 if any invariant is not 0.
 
 Options (also as environment variables): --faults (SOAK_FAULTS), --tasks (SOAK_TASKS, the
@@ -66,6 +99,7 @@ times, and running out of attempts (needs_human) would be the configured limit, 
 import argparse
 import asyncio
 import collections
+import datetime
 import json
 import os
 import queue
@@ -78,6 +112,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
 from decimal import Decimal
 from email import message_from_bytes
@@ -97,13 +132,25 @@ LATE_SECONDS = 2.5
 RANDOM_KINDS = {  # weights of the randomly chosen faults; the restarts are scheduled
     "kill_executor": 24, "kill_executor_mid_send": 8, "kill_executor_before_data": 7, "kill_worker": 10,
     "kill_cluster": 5, "stop_cluster": 3, "smtp_drop_after_data": 14, "smtp_reply_late": 11, "broker_purge": 21,
+    "stop_mid_send": 5, "force_mid_send": 5, "stop_mid_post": 5, "force_mid_post": 5,
+    "upstream_502_after_acting": 9, "step_timeout": 7,
 }
-# Faults armed on the SMTP server: counted when they fire on a message (the SMTP server's mode).
+# Faults armed on the SMTP server: counted when they fire on a message (the SMTP server's mode),
+# or, for the operator's Stop/Force of the sending task, when the request reached a running task.
 SMTP_MODES = {"smtp_drop_after_data": "drop_after_data", "smtp_reply_late": "reply_late",
-              "kill_executor_mid_send": "kill_mid_send", "kill_executor_before_data": "kill_before_data"}
+              "kill_executor_mid_send": "kill_mid_send", "kill_executor_before_data": "kill_before_data",
+              "stop_mid_send": "stop_mid_send", "force_mid_send": "force_mid_send"}
+# Faults armed on the HTTP upstream, counted the same way.
+UPSTREAM_MODES = {"upstream_502_after_acting": "502_after_acting", "step_timeout": "hold_past_timeout",
+                  "stop_mid_post": "stop_mid_post", "force_mid_post": "force_mid_post"}
+OPERATOR_KINDS = ("stop_mid_send", "force_mid_send", "stop_mid_post", "force_mid_post")  # Stop / Force-terminate
+STEP_TIMEOUT_SECONDS = 3.0  # soak.post's StepSpec(timeout=...) (bench/soak_types.py)
+HOLD_FOR_OPERATOR_SECONDS = 8.0  # the upstream holds its answer while Stop/Force arrives (< the POST's timeout)
 SCHEDULED_KINDS = ("pg_restart", "redis_restart")
+NOTHING_TO_ACT_ON_SECONDS = 2.0  # a fault with nothing to act on (no running task...) is tried again that long
 KILL_STRAY_SECONDS = 3.0  # what a kill -9 left of its victim's tree must be gone by then
 ALL_KINDS = (*RANDOM_KINDS, *SCHEDULED_KINDS)
+INVARIANTS = ("lost", "duplicated", "stray", "stuck", "unreviewed")
 
 
 def log(message: str) -> None:
@@ -231,7 +278,7 @@ class SoakSmtp(SmtpServer):
     """The misbehaving server, its mode switched per message: `arm(mode)` makes the next
     message misbehave that way once. Keeps a log of (time, key, to) for every message taken."""
 
-    DATA_MODES = ("drop_after_data", "reply_late", "kill_mid_send")
+    DATA_MODES = ("drop_after_data", "reply_late", "kill_mid_send", "stop_mid_send", "force_mid_send")
     RCPT_MODES = ("kill_before_data",)
 
     def __init__(self, port: int, on_fired):
@@ -240,7 +287,9 @@ class SoakSmtp(SmtpServer):
         self.armed: collections.deque = collections.deque()
         self.on_fired = on_fired
         self.log: list[tuple[float, str, str]] = []
-        self.kill_requests: queue.Queue = queue.Queue()  # (fault kind, recipient): kill its sender
+        self.untracked = 0  # messages without an X-Idempotency-Key
+        # (fault kind, recipient): kill the sender's executor, or Stop / Force-terminate its task
+        self.kill_requests: queue.Queue = queue.Queue()
 
     def _take(self, modes) -> str:
         with self.lock:
@@ -274,6 +323,12 @@ class SoakSmtp(SmtpServer):
 
     async def handle_DATA(self, server, session, envelope):
         message = message_from_bytes(envelope.content)
+        if not message["X-Idempotency-Key"]:
+            # Not a task's email.send (a notification, say): no fault, not in the effects' log.
+            with self.lock:
+                self.untracked += 1
+            self.mode = "ok"
+            return await super().handle_DATA(server, session, envelope)
         mode = self._take(self.DATA_MODES)
         with self.lock:
             self.log.append((time.time(), message["X-Idempotency-Key"] or "", message["To"] or ""))
@@ -282,10 +337,133 @@ class SoakSmtp(SmtpServer):
         elif mode == "kill_mid_send":
             self.kill_requests.put(("kill_executor_mid_send", message["To"] or ""))
             mode = "reply_late"  # the sender dies waiting for the 250
+        elif mode in ("stop_mid_send", "force_mid_send"):
+            self.kill_requests.put((mode, message["To"] or ""))
+            mode = "reply_late"  # the operator's request arrives while the sender waits for the 250
         # The parent reads `mode` before its first await: this message gets this mode. It
         # logs the message too (`received`); `self.log` adds the time.
         self.mode = mode
         return await super().handle_DATA(server, session, envelope)
+
+
+# --- the HTTP upstream ----------------------------------------------------------------------
+class SoakUpstream:
+    """The other side of soak.post's POSTs (bench/soak_types.py): records every request it acts
+    on, by its reference (the X-Soak-Ref header, `t<task>:<step>`) and, when the tool sends one,
+    its Idempotency-Key — a keyed request acts once per key, its repeats get the recorded answer,
+    and GET /status/<key> says whether it acted (the http tool's probe). `arm(mode)` makes the
+    next POST misbehave, after acting:
+    - "502_after_acting": answer 502 (the upstream acted, then failed);
+    - "hold_past_timeout": hold the answer past soak.post's step timeout;
+    - "stop_mid_post" / "force_mid_post": hold the answer while the soak asks an operator's
+      Stop / Force-terminate of the task (queued in `requests` as (kind, reference)).
+    A request whose reference had a fault already gets none (a step hit twice the same way
+    would give up by its failure policy: the configured limit, not a bug), nor does one of a
+    task whose other POST is being held (soak.post's steps run in parallel: each held POST
+    is then the one its fault is about — a Stop does not end a step held for its timeout)."""
+
+    def __init__(self, on_fired):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        upstream = self
+        self.lock = threading.Lock()
+        self.armed: collections.deque = collections.deque()
+        self.on_fired = on_fired
+        self.log: list[tuple[float, str, str, bool]] = []  # (time, reference, key, acted)
+        self.answers: dict[str, dict] = {}  # Idempotency-Key -> the answer it got
+        self.faulted: set[str] = set()  # references that met a fault
+        self.fired: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)  # mode -> (reference, when)
+        self.holding: set[str] = set()  # tasks ("t<id>") one of whose POSTs is being held
+        self.requests: queue.Queue = queue.Queue()
+        self.hold_seconds = {"hold_past_timeout": STEP_TIMEOUT_SECONDS * 2,
+                             "stop_mid_post": HOLD_FOR_OPERATOR_SECONDS, "force_mid_post": HOLD_FOR_OPERATOR_SECONDS}
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def log_message(self, *args):
+                pass
+
+            def answer(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:
+                    pass  # the client gave up (cancelled, timed out, killed)
+
+            def do_GET(self):
+                key = urllib.parse.unquote(self.path.rpartition("/status/")[2])
+                with upstream.lock:
+                    recorded = upstream.answers.get(key)
+                self.answer(200, recorded) if recorded is not None else self.answer(404, {"error": "no such request"})
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                ref = self.headers.get("X-Soak-Ref") or ""
+                key = self.headers.get("Idempotency-Key") or ""
+                with upstream.lock:
+                    replay = key and key in upstream.answers
+                    upstream.log.append((time.time(), ref, key, not replay))
+                    if replay:
+                        recorded = upstream.answers[key]
+                        mode = "ok"
+                    else:
+                        recorded = {"ref": ref, "accepted": True, "bytes": len(body)}
+                        if key:
+                            upstream.answers[key] = recorded
+                        mode = "ok"
+                        task = ref.split(":")[0]
+                        if upstream.armed and ref not in upstream.faulted and task not in upstream.holding:
+                            mode = upstream.armed.popleft()
+                            upstream.faulted.add(ref)
+                            upstream.fired[mode].append((ref, time.time()))
+                            if mode in upstream.hold_seconds:
+                                upstream.holding.add(task)
+                if mode == "502_after_acting":
+                    upstream.on_fired("upstream_502_after_acting")
+                    return self.answer(502, {"error": "bad gateway (after the upstream acted)"})
+                if mode == "hold_past_timeout":
+                    upstream.on_fired("step_timeout")
+                elif mode in ("stop_mid_post", "force_mid_post"):
+                    upstream.requests.put((mode, ref))
+                if mode != "ok":
+                    time.sleep(upstream.hold_seconds[mode])
+                    with upstream.lock:
+                        upstream.holding.discard(ref.split(":")[0])
+                self.answer(200, recorded)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}/charges"
+        self.status_url = f"http://127.0.0.1:{self.port}/status/{{key}}"
+        threading.Thread(target=self.server.serve_forever, name="upstream", daemon=True).start()
+
+    def arm(self, mode: str) -> None:
+        with self.lock:
+            self.armed.append(mode)
+
+    def disarm(self) -> int:
+        with self.lock:
+            pending = len(self.armed)
+            self.armed.clear()
+            return pending
+
+    def pending(self) -> int:
+        with self.lock:
+            return len(self.armed)
+
+    def acted_refs(self) -> set[str]:
+        with self.lock:
+            return {ref for _, ref, _, acted in self.log if acted}
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def valid_stage_output(path: Path, stage: int) -> bool:
@@ -306,7 +484,10 @@ class Soak:
         self.fault_lock = threading.Lock()
         self.notes = collections.Counter()  # things worth knowing that are not faults
         self.decisions = collections.Counter()
+        self.decisions_by_tool = collections.Counter()
         self.not_happened: dict[str, float] = {}  # key -> time of the (last) not_happened decision
+        self.not_happened_refs: dict[str, float] = {}  # POST reference -> time of its not_happened decision
+        self.ended_by_soak: dict[int, str] = {}  # task -> the fault kind whose Stop/Force-terminate ended it
         self.review_anomalies: list[str] = []
         self.orphans_seen: dict[int, list] = {}  # pid -> [first seen, last seen, command line]
         self.created = 0
@@ -339,8 +520,9 @@ class Soak:
                         "CREATE DATABASE soak"], check=True, capture_output=True)
         self.redis = RedisServer(free_port(), self.run_dir / "redis.log").start()
         self.smtp = SoakSmtp(free_port(), self.fault).start()
+        self.upstream = SoakUpstream(self.fault)
         log(f"run dir {self.run_dir}; postgresql :{self.pg.port} ({self.pg.dir}), redis :{self.redis.port}, "
-            f"smtp :{self.smtp.port}")
+            f"smtp :{self.smtp.port}, http upstream :{self.upstream.port}")
 
     def env(self) -> dict:
         return {
@@ -354,6 +536,7 @@ class Soak:
             "ORCH_SLICE_SECONDS": "1.5", "ORCH_WORKERS": str(self.opts.workers),
             "ORCH_VAR_DIR": str(self.run_dir / "var"), "ORCH_LOG_LEVEL": os.environ.get("SOAK_LOG_LEVEL", "WARNING"),
             "ORCH_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1",
+            "ORCH_EXTRA_TASK_TYPES": "bench.soak_types",  # soak.post: POSTs to the soak's upstream
         }
 
     def setup_django(self) -> None:
@@ -368,8 +551,12 @@ class Soak:
 
         from orchestrator.engine import scheduler
 
-        self.reviewer = User.objects.create_user("soak-reviewer", "soak@example.org", "soak-pw-8c1f")
+        # No email addresses: the review.opened notifications would go to the soak's SMTP server.
+        self.reviewer = User.objects.create_user("soak-reviewer", "", "soak-pw-8c1f")
         self.reviewer.groups.set(Group.objects.filter(name="reviewer"))
+        # Stop / Force-terminate as an operator asks them on the dashboard (the same services).
+        self.operator = User.objects.create_user("soak-operator", "", "soak-pw-3e7a")
+        self.operator.groups.set(Group.objects.filter(name="operator"))
         # This process is a client: a send lost to a Redis outage is a message lost between
         # the commit and the send (the sweeper re-sends it), not an error of the client.
         original_send = scheduler.send
@@ -417,8 +604,12 @@ class Soak:
 
         n = self.created + 1
         rng = self.task_rng
-        kind = rng.choices(["demo.notify", "demo.migrate_rows", "demo.pipeline"], [4, 3, 3])[0]
-        if kind == "demo.notify":
+        kind = rng.choices(["demo.notify", "demo.migrate_rows", "demo.pipeline", "soak.post"], [4, 3, 3, 4])[0]
+        if kind == "soak.post":
+            params = {"url": self.upstream.url, "status_url": self.upstream.status_url,
+                      "requests": rng.randint(3, 8), "keyed": rng.random() < 0.3,
+                      "pause": round(rng.uniform(0.1, 0.4), 2), "step_timeout": STEP_TIMEOUT_SECONDS}
+        elif kind == "demo.notify":
             params = {"recipients": [f"r{j}.n{n}@example.org" for j in range(rng.randint(4, 12))],
                       "subject": f"soak {n}", "body": f"message {n} of the soak"}
         elif kind == "demo.migrate_rows":
@@ -537,6 +728,11 @@ class Soak:
                 return False
             self.smtp.arm(SMTP_MODES[kind])
             return True  # counted when it fires
+        if kind in UPSTREAM_MODES:
+            if self.upstream.pending() >= 2:
+                return False
+            self.upstream.arm(UPSTREAM_MODES[kind])
+            return True  # counted when it fires
         if kind == "broker_purge":
             import redis
 
@@ -568,21 +764,63 @@ class Soak:
         raise ValueError(kind)
 
     def kill_senders(self) -> None:
-        """The SMTP server holds a reply: kill the executor of the task sending that email."""
+        """The SMTP server or the upstream holds its answer: kill the executor of the task
+        sending that email, or ask an operator's Stop / Force-terminate of it."""
         from orchestrator.models import Task
 
         while True:
             try:
                 kind, address = self.smtp.kill_requests.get_nowait()
+                task_id = self.rcpt_task.get(address)
             except queue.Empty:
-                return
-            task_id = self.rcpt_task.get(address)
+                try:
+                    kind, ref = self.upstream.requests.get_nowait()
+                except queue.Empty:
+                    return
+                match = re.match(r"t(\d+):", ref)
+                task_id = int(match.group(1)) if match else None
+            if kind in OPERATOR_KINDS:
+                self.operator_request(kind, task_id)
+                continue
             pids = self.db(lambda: list(Task.objects.filter(pk=task_id, status="running")
                                         .values_list("worker_pid", flat=True))) if task_id else []
             if pids and pids[0] and self.kill(pids[0], fault=kind):
                 self.fault(kind)
             else:
                 self.notes[f"{kind}: sender not found running (not counted)"] += 1
+
+    def operator_request(self, kind: str, task_id: int | None) -> None:
+        """Stop or Force-terminate the task whose email or POST is in flight, through the
+        service the dashboard's buttons call, as an operator. Counted when it reached a task a
+        worker was running; the task is the soak's own ending either way (not lost)."""
+        from orchestrator.engine import services, states
+        from orchestrator.models import Task
+
+        if task_id is None:
+            self.notes[f"{kind}: task not found (not counted)"] += 1
+            return
+        if task_id in self.ended_by_soak:
+            self.notes[f"{kind}: its task was already stopped or terminated by the soak (not counted)"] += 1
+            return
+        verb = "stop" if kind.startswith("stop") else "terminate"
+        running = self.db(lambda: Task.objects.filter(pk=task_id).values("status", "worker_pid", "lease_owner")
+                          .first()) or {}
+        # Force-terminate kills the executor's tree: whatever of it outlives KILL_STRAY_SECONDS is a stray.
+        tree = tree_of(running["worker_pid"]) if verb == "terminate" and running.get("worker_pid") and \
+            self.marker.on(running["worker_pid"]) else {}
+        request = getattr(services, f"task_{verb}")
+        try:
+            task = self.db(request, task_id=task_id, actor=self.operator, reason=f"soak: {kind}")
+        except states.InvalidTransition as exc:
+            self.notes[f"{kind}: refused ({str(exc)[:60]}) (not counted)"] += 1
+            return
+        self.ended_by_soak[task_id] = kind
+        if tree:
+            self.watch_tree(kind, tree)
+        if task.status in states.TERMINAL:
+            self.notes[f"{kind}: applied at once, no worker held the task ({running.get('status')}; not counted)"] += 1
+        else:
+            self.fault(kind)  # a worker runs it: the runner (Stop) or the watchdog (Force) ends it
 
     def restart_clusters(self) -> None:
         now = time.monotonic()
@@ -667,7 +905,13 @@ class Soak:
         for item in ReviewItem.objects.filter(status="open", detected_at__lt=cutoff).select_related("wal_entry"):
             entry = item.wal_entry
             key = entry.idempotency_key
-            if entry.tool != "email.send":
+            ref = ((entry.args or {}).get("json") or {}).get("ref", "") if entry.tool == "http.request" else ""
+            if entry.tool == "http.request" and ref:
+                if ref in self.upstream.acted_refs():
+                    decision, note = "happened", f"the upstream's log has request {ref}"
+                else:
+                    decision, note = "not_happened", f"no request {ref} in the upstream's log"
+            elif entry.tool != "email.send":
                 self.review_anomalies.append(f"review #{item.pk} for {entry.tool} ({key}): {item.reason[:200]}")
                 decision, note = "not_happened", f"{entry.tool} is replayable; soak reviewer"
             elif key in self.smtp.received_keys():
@@ -679,8 +923,11 @@ class Soak:
             except ReviewClosed:
                 continue
             self.decisions[decision] += 1
+            self.decisions_by_tool[entry.tool] += 1
             if decision == "not_happened":
                 self.not_happened[key] = time.time()
+                if ref:
+                    self.not_happened_refs[ref] = time.time()
 
     # --- phases --------------------------------------------------------------------------
     def fault_phase(self) -> None:
@@ -709,7 +956,11 @@ class Soak:
                 self._progress_at = time.monotonic()
                 log(f"{elapsed:.0f} s: {done} faults, {self.created} tasks created, "
                     f"{sum(self.decisions.values())} review decisions")
-            if done >= target and not scheduled and not first_round:
+            # Every kind at least once: one armed on a server counts only when it fires, and an
+            # operator's Stop/Force only when it reached a running task, so the phase goes on
+            # (within its time budget) until each has happened.
+            missing = [k for k in RANDOM_KINDS if not self.faults.get(k)]
+            if done >= target and not scheduled and not first_round and not missing:
                 break
             if elapsed > duration + min(duration * 0.5, 120):  # the run's time budget
                 log(f"fault phase over its time ({elapsed:.0f} s) with {done} of {target} faults")
@@ -720,24 +971,26 @@ class Soak:
                 self.inject(kind)
                 self.fault(kind)
                 continue
-            if elapsed >= next_fault and (done < target or first_round):
+            if elapsed >= next_fault and (done < target or first_round or missing):
                 if current is None:
-                    current = first_round.pop(0) if first_round else \
+                    current = first_round.pop(0) if first_round else self.rng.choice(missing) \
+                        if done >= target else \
                         self.rng.choices(list(RANDOM_KINDS), list(RANDOM_KINDS.values()))[0]
                     current_since = elapsed
                 if self.inject(current):
-                    if current not in SMTP_MODES:  # those count when they fire
+                    if current not in SMTP_MODES and current not in UPSTREAM_MODES:  # those count when they fire
                         self.fault(current)
-                elif elapsed - current_since < 4.0:
+                elif elapsed - current_since < NOTHING_TO_ACT_ON_SECONDS:
                     next_fault = elapsed + 0.2  # nothing to act on yet (no running task...): again soon
                     time.sleep(0.05)
                     continue
                 else:
-                    self.notes[f"{current} skipped: nothing to act on for 4 s"] += 1
+                    self.notes[f"{current} skipped: nothing to act on for {NOTHING_TO_ACT_ON_SECONDS:g} s"] += 1
                     if not self.faults.get(current):
                         first_round.append(current)  # every kind at least once: try it again later
                 current = None
-                remaining = max(1, target - self.total_faults() - len(scheduled) - self.smtp.pending())
+                remaining = max(1, target - self.total_faults() - len(scheduled) - self.smtp.pending()
+                                - self.upstream.pending())
                 left = max(0.3, duration - elapsed)
                 next_fault = elapsed + left / remaining * self.rng.uniform(0.5, 1.5)
             time.sleep(0.05)
@@ -746,10 +999,14 @@ class Soak:
     def settle(self) -> None:
         from orchestrator.engine.states import TERMINAL
         from orchestrator.models import Task
+        from review.models import ReviewItem
 
         pending = self.smtp.disarm()
         if pending:
             self.notes["smtp faults armed but never fired"] += pending
+        pending = self.upstream.disarm()
+        if pending:
+            self.notes["upstream faults armed but never fired"] += pending
         for index in list(self.down_clusters):
             self.down_clusters[index] = 0
         while self.stopping:
@@ -765,7 +1022,8 @@ class Soak:
             self.reap_orphans()
             self.check_kill_watches()
             statuses = self.db(lambda: set(Task.objects.exclude(status__in=TERMINAL).values_list("status", flat=True)))
-            if not statuses:
+            # Ended tasks' effects in doubt are reviewed too (the reviewer decides them in ~1 s).
+            if not statuses and not self.db(lambda: ReviewItem.objects.filter(status="open").exists()):
                 break
             # Only tasks waiting for a human that the scripted reviewer cannot help: stop waiting.
             if statuses <= {"needs_human"}:
@@ -821,8 +1079,10 @@ class Soak:
         from django.db.models import Count, Sum
 
         from orchestrator.engine.states import TERMINAL
-        from orchestrator.models import DemoDestination, Task, TaskEvent
-        from orchestrator.tasktypes.migrate_rows import CENTS, batch_ranges, source_amount
+        from orchestrator.models import Task, TaskEvent, WalEntry
+        from demo.models import DemoDestination
+        from review.models import ReviewItem
+        from demo.tasktypes.migrate_rows import CENTS, batch_ranges, source_amount
 
         tasks = self.db(lambda: list(Task.objects.order_by("pk").values("pk", "type", "status", "params",
                                                                           "status_reason", "recovery_attempts")))
@@ -830,6 +1090,8 @@ class Soak:
         types = collections.Counter(t["type"] for t in tasks)
         with self.smtp.lock:
             messages = list(self.smtp.log)
+            if self.smtp.untracked:
+                self.notes["emails without an X-Idempotency-Key (not a task's; not counted)"] = self.smtp.untracked
         by_key = collections.defaultdict(list)
         by_recipient = collections.Counter()
         for at, key, to in messages:
@@ -837,14 +1099,32 @@ class Soak:
             match = re.match(r"t(\d+):", key)
             by_recipient[(int(match.group(1)) if match else None, to)] += 1
 
+        with self.upstream.lock:
+            posts = list(self.upstream.log)
+        acted_by_ref = collections.defaultdict(list)  # reference -> times the upstream acted on it
+        for at, ref, _, acted in posts:
+            if acted:
+                acted_by_ref[ref].append(at)
+
         lost, lost_detail = collections.Counter(), []
         rate = Decimal(str(MIGRATE_RATE))
         checked_batches = {}
+        ended_by_soak = collections.Counter()  # (fault kind, final status) of the tasks the soak stopped/terminated
         for t in tasks:
+            if t["pk"] in self.ended_by_soak:
+                ended_by_soak[(self.ended_by_soak[t["pk"]], t["status"])] += 1
+                if t["status"] in ("stopped", "terminated"):
+                    continue  # its end is the soak's own Stop/Force: nothing of it is owed (its effects
+                    # still count for duplicates and reviews, below)
             if t["status"] != "completed":
                 lost["tasks not completed"] += 1
                 lost_detail.append(f"task {t['pk']} ({t['type']}) is {t['status']}: {t['status_reason'][:300]}")
-            if t["type"] == "demo.notify":
+            if t["type"] == "soak.post":
+                for i in range(1, t["params"]["requests"] + 1):
+                    if not acted_by_ref.get(f"t{t['pk']}:post-{i:02d}"):
+                        lost["POSTs the upstream never got"] += 1
+                        lost_detail.append(f"task {t['pk']}: no request t{t['pk']}:post-{i:02d} at the upstream")
+            elif t["type"] == "demo.notify":
                 for to in t["params"]["recipients"]:
                     if not by_recipient[(t["pk"], to)]:
                         lost["notify recipients without their email"] += 1
@@ -878,9 +1158,74 @@ class Soak:
             copies = by_key.get(key, [])
             if len(copies) > 1:
                 explained += min(len(copies) - 1, sum(1 for at in copies if at < decided_at))
-        duplicated = max(dup_by_key, dup_by_recipient) - explained
+        dup_posts = sum(len(v) - 1 for v in acted_by_ref.values() if len(v) > 1)
+        explained_posts = 0
+        for ref, decided_at in self.not_happened_refs.items():
+            copies = acted_by_ref.get(ref, [])
+            if len(copies) > 1:
+                explained_posts += min(len(copies) - 1, sum(1 for at in copies if at < decided_at))
+        duplicated = max(dup_by_key, dup_by_recipient) - explained + dup_posts - explained_posts
         dup_detail = [f"{key}: {len(v)} copies" for key, v in by_key.items() if len(v) > 1][:20]
         dup_detail += [f"task {task} -> {to}: {n} emails" for (task, to), n in by_recipient.items() if n > 1][:20]
+        dup_detail += [f"POST {ref}: acted on {len(v)} times" for ref, v in acted_by_ref.items() if len(v) > 1][:20]
+
+        # Effects whose outcome nobody knows and nobody recorded: a WAL row still pending (every
+        # task has ended: nothing will settle it) without a decided review, or a row of an ended
+        # task marked failed ("did not happen") on an outcome the tool reported unknown, with no
+        # review and no probe behind it.
+        ended = ("stopped", "terminated", "failed")
+        unreviewed, unreviewed_detail = collections.Counter(), []
+        rows = self.db(lambda: list(
+            WalEntry.objects.filter(status="pending").values_list("idempotency_key", "tool", "task__status",
+                                                                   "review_item__status")))
+        for key, tool, task_status, review in rows:
+            if review != "decided":
+                why = "pending, review open" if review == "open" else "pending, no review item"
+                unreviewed[why] += 1
+                unreviewed_detail.append(f"{key} ({tool}, task {task_status}): {why}")
+        rows = self.db(lambda: list(
+            WalEntry.objects.filter(status="failed", task__status__in=ended, error__startswith="OutcomeUnknown")
+            .exclude(settled_by="probe").exclude(review_item__status="decided")
+            .values_list("idempotency_key", "tool", "task__status", "error")))
+        for key, tool, task_status, error in rows:
+            unreviewed["failed on an unknown outcome, task ended"] += 1
+            unreviewed_detail.append(f"{key} ({tool}, task {task_status}): failed: {error[:200]}")
+        wal_unknown_settled_by_probe = self.db(lambda: WalEntry.objects.filter(settled_by="probe").count())
+        # Each step_timeout fault: did the step's timeout cut its POST? (the review item's reason
+        # or the step's failure event says "step timeout"), else what ended the step first.
+        with self.upstream.lock:
+            held_past_timeout = list(self.upstream.fired["hold_past_timeout"])
+        timeouts_cut, timeouts_recovered, timeouts_otherwise = 0, 0, []
+        hold = self.upstream.hold_seconds["hold_past_timeout"]
+        for ref, fired_at in held_past_timeout:
+            task_id, step_id = int(ref[1:].split(":")[0]), ref.split(":")[1]
+            reasons = self.db(lambda: list(ReviewItem.objects.filter(task_id=task_id, wal_entry__step_id=step_id)
+                                           .values_list("reason", flat=True)))
+            failures = self.db(lambda: list(TaskEvent.objects.filter(task_id=task_id, kind="step_failed",
+                                                                      payload__step=step_id)
+                                            .values_list("payload", flat=True)))
+            said = " ".join(reasons) + json.dumps(failures)
+            # A recovery between the hold and the step's end (a keyed POST is then replayed with its
+            # key and leaves neither a review nor a failure; a recovery may come long after the
+            # kill when the database was down meanwhile).
+            since = datetime.datetime.fromtimestamp(fired_at, datetime.timezone.utc)
+            entry = self.db(lambda: WalEntry.objects.filter(task_id=task_id, step_id=step_id)
+                            .values("completed_at", "idempotent").first()) or {}
+            until = entry.get("completed_at") or since + datetime.timedelta(seconds=hold + 5)
+            recovered = self.db(lambda: TaskEvent.objects.filter(
+                task_id=task_id, kind="recovery", created_at__gte=since, created_at__lte=until).exists())
+            if "step timeout" in said or "StepTimedOut" in said:
+                timeouts_cut += 1
+            elif recovered:
+                timeouts_recovered += 1  # its executor or cluster was killed (or stopped) during the hold
+            else:
+                status = self.db(lambda: Task.objects.filter(pk=task_id).values_list("status", flat=True).first())
+                ender = self.ended_by_soak.get(task_id, "not ended by the soak")
+                keyed = "keyed" if entry.get("idempotent") else "not keyed"
+                timeouts_otherwise.append(f"{ref} ({keyed}; task {status}, {ender}): {said[:300]}")
+        step_timeouts_logged = 0
+        for path in (self.run_dir / "logs").glob("*.log"):
+            step_timeouts_logged += path.read_text(errors="replace").count("step timed out after")
 
         stuck = [t for t in tasks if t["status"] not in TERMINAL]
         causes = self.db(lambda: list(TaskEvent.objects.filter(kind="recovery").values_list("payload", flat=True)))
@@ -899,6 +1244,15 @@ class Soak:
             "decisions": dict(self.decisions), "decisions_total": sum(self.decisions.values()),
             "review_anomalies": self.review_anomalies, "recoveries": recoveries,
             "recoveries_by_cause": dict(by_cause),
+            "decisions_by_tool": dict(self.decisions_by_tool),
+            "ended_by_soak": {f"{kind} -> {status}": n for (kind, status), n in sorted(ended_by_soak.items())},
+            "stopped_by_soak": sum(n for (_, status), n in ended_by_soak.items() if status == "stopped"),
+            "terminated_by_soak": sum(n for (_, status), n in ended_by_soak.items() if status == "terminated"),
+            "posts_received": len(posts), "posts_acted": sum(1 for p in posts if p[3]),
+            "wal_settled_by_probe": wal_unknown_settled_by_probe, "step_timeouts_logged": step_timeouts_logged,
+            "step_timeout_faults_cut_by_the_timeout": timeouts_cut,
+            "step_timeout_faults_recovered_first": timeouts_recovered,
+            "step_timeout_faults_otherwise": timeouts_otherwise,
             "messages": len(messages), "notes": dict(self.notes), "orphans_seen": len(self.orphans_seen),
             "orphans_longest_seconds": round(max((b - a for a, b, _ in self.orphans_seen.values()), default=0), 2),
             "orphan_commands": collections.Counter(
@@ -907,18 +1261,21 @@ class Soak:
             "lost": sum(lost.values()), "lost_breakdown": dict(lost), "lost_detail": lost_detail[:30],
             "duplicated": duplicated,
             "duplicated_breakdown": {"by_key": dup_by_key, "by_task_recipient": dup_by_recipient,
-                                     "explained_by_not_happened": explained},
+                                     "explained_by_not_happened": explained, "posts": dup_posts,
+                                     "posts_explained_by_not_happened": explained_posts},
             "duplicated_detail": dup_detail,
             "stray": len(self.strays), "stray_after_kills": len(self.kill_strays), "stray_detail": [f"{pid}: {cmd}" for pid, cmd in self.strays.items()][:20],
             "stuck": len(stuck), "stuck_detail": [f"task {t['pk']} ({t['type']}) {t['status']}: "
                                                   f"{t['status_reason'][:200]}" for t in stuck][:20],
+            "unreviewed": sum(unreviewed.values()), "unreviewed_breakdown": dict(unreviewed),
+            "unreviewed_detail": unreviewed_detail[:20],
         }
 
     def report(self, v: dict) -> None:
         o = self.opts
         print(f"soak: {o.clusters} qcluster x {o.workers} workers + 1 sweeper; private PostgreSQL "
-              f"(:{self.pg.port}), private Redis broker (:{self.redis.port}), misbehaving SMTP (:{self.smtp.port}); "
-              f"seed {o.seed}")
+              f"(:{self.pg.port}), private Redis broker (:{self.redis.port}), misbehaving SMTP (:{self.smtp.port}), "
+              f"misbehaving HTTP upstream (:{self.upstream.port}); seed {o.seed}")
         print(f"time: fault phase {self.fault_seconds:.0f} s (asked {o.duration:g} s), settle {self.settle_seconds:.0f} s, "
               f"total {time.monotonic() - self.t0:.0f} s")
         print(f"faults by kind (total {v['faults_total']}, asked >= {o.faults}):")
@@ -927,12 +1284,25 @@ class Soak:
         print(f"tasks by final status (total {v['tasks_total']}): "
               + ", ".join(f"{k} {n}" for k, n in sorted(v["tasks"].items())))
         print("  by type: " + ", ".join(f"{k} {n}" for k, n in sorted(v["tasks_by_type"].items())))
+        print(f"  ended by the soak's Stop/Force-terminate: stopped {v['stopped_by_soak']}, terminated "
+              f"{v['terminated_by_soak']} (" + (", ".join(f"{k} {n}" for k, n in v["ended_by_soak"].items()) or "-")
+              + ")")
         print(f"review decisions (total {v['decisions_total']}): "
-              + (", ".join(f"{k} {n}" for k, n in sorted(v["decisions"].items())) or "none"))
+              + (", ".join(f"{k} {n}" for k, n in sorted(v["decisions"].items())) or "none")
+              + " (" + (", ".join(f"{k} {n}" for k, n in sorted(v["decisions_by_tool"].items())) or "-") + ")")
+        print(f"outcomes in doubt settled by a tool's probe: {v['wal_settled_by_probe']}; step timeouts in the "
+              f"workers' logs: {v['step_timeouts_logged']}")
+        print(f"step_timeout faults: {v['faults'].get('step_timeout', 0)}; the step's timeout cut the POST: "
+              f"{v['step_timeout_faults_cut_by_the_timeout']}; its task recovered before the step ended (another "
+              f"fault killed or stopped its executor first): {v['step_timeout_faults_recovered_first']}; neither: "
+              f"{len(v['step_timeout_faults_otherwise'])}")
+        for line in v["step_timeout_faults_otherwise"][:10]:
+            print(f"  step_timeout fault not cut by the timeout: {line}")
         print(f"recoveries (recovery events): {v['recoveries']} ("
               + ", ".join(f"{k} {n}" for k, n in sorted(v["recoveries_by_cause"].items())) + ")")
-        print(f"messages received by SMTP: {v['messages']}; "
-              f"orphaned processes seen mid-run (re-parented to the soak): {v['orphans_seen']}, "
+        print(f"messages received by SMTP: {v['messages']}; POSTs received by the upstream: {v['posts_received']} "
+              f"(acted on {v['posts_acted']}; the rest repeats of a keyed request)")
+        print(f"orphaned processes seen mid-run (re-parented to the soak): {v['orphans_seen']}, "
               f"the longest seen alive for {v['orphans_longest_seconds']} s")
         if v["orphan_commands"]:
             print("  orphans: " + ", ".join(f"{n} x {cmd}" for cmd, n in v["orphan_commands"]))
@@ -943,15 +1313,18 @@ class Soak:
         print("invariants (each must be 0):")
         print(f"  lost        {v['lost']:5}   " + (", ".join(f"{k} {n}" for k, n in v["lost_breakdown"].items()) or "-"))
         b = v["duplicated_breakdown"]
-        print(f"  duplicated  {v['duplicated']:5}   by X-Idempotency-Key {b['by_key']}, by (task, recipient) "
-              f"{b['by_task_recipient']}, explained by not_happened decisions {b['explained_by_not_happened']}")
+        print(f"  duplicated  {v['duplicated']:5}   emails: by X-Idempotency-Key {b['by_key']}, by (task, recipient) "
+              f"{b['by_task_recipient']}, explained by not_happened decisions {b['explained_by_not_happened']}; "
+              f"POSTs acted on twice {b['posts']}, explained {b['posts_explained_by_not_happened']}")
         print(f"  stray       {v['stray']:5}   of which alive {KILL_STRAY_SECONDS:g} s after a kill -9 of their "
-              f"executor, worker or cluster: {v['stray_after_kills']}")
+              f"executor, worker or cluster, or a Force-terminate of their task: {v['stray_after_kills']}")
         print(f"  stuck       {v['stuck']:5}")
-        for name in ("lost", "duplicated", "stray", "stuck"):
+        print(f"  unreviewed unknown effects {v['unreviewed']:5}   "
+              + (", ".join(f"{k} {n}" for k, n in v["unreviewed_breakdown"].items()) or "-"))
+        for name in ("lost", "duplicated", "stray", "stuck", "unreviewed"):
             for line in v[f"{name}_detail"]:
                 print(f"    {name}: {line}")
-        ok = not (v["lost"] or v["duplicated"] or v["stray"] or v["stuck"])
+        ok = passed(v)
         self.passed = ok
         print("RESULT: " + ("PASS" if ok else "FAIL") + (f" (run dir kept: {self.run_dir})" if not ok or o.keep else ""))
 
@@ -989,6 +1362,8 @@ class Soak:
             self.kill(pid)
         if hasattr(self, "smtp"):
             self.smtp.stop()
+        if hasattr(self, "upstream"):
+            self.upstream.stop()
         if hasattr(self, "redis"):
             self.redis.stop()
         if hasattr(self, "pg"):
@@ -1025,7 +1400,15 @@ def parse_args(argv=None):
     return opts
 
 
+def passed(verdict: dict) -> bool:
+    return not any(verdict[name] for name in INVARIANTS)
+
+
 def main(argv=None) -> int:
+    # Ctrl-C stops the soak, and its children get SIGINT's default action back (a shell
+    # starts a background job with SIGINT ignored, and an ignored signal stays ignored across
+    # exec: the sweeper, which relies on Python's default handler, would never stop).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     opts = parse_args(argv)
     soak = Soak(opts)
     verdict = None
@@ -1034,8 +1417,7 @@ def main(argv=None) -> int:
     finally:
         if opts.json:
             Path(opts.json).write_text(json.dumps(verdict, indent=2, default=str) if verdict else "null")
-    ok = not (verdict["lost"] or verdict["duplicated"] or verdict["stray"] or verdict["stuck"])
-    return 0 if ok else 1
+    return 0 if passed(verdict) else 1
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from .admin_tables import LargeTableAdmin, RecentValuesFilter
 from .engine import webhooks
 from .engine.audit import audit
 from .models import (
-    AgentMemory, AgentMessage, ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord,
+    AgentMemory, AgentMessage, ApiToken, AuditEntry, IdempotencyRecord, ModelCallAttempt,
     InboundEvent, RetentionRun, Snapshot, Step, StepResult, Task, TaskEvent, WalEntry, WebhookRejection, WebhookSource,
 )
 
@@ -350,7 +350,7 @@ class RetentionRunAdmin(ReadOnlyAdmin):
     """What each run of the retention rules pruned, and when (engine/retention.py)."""
 
     list_display = ("started_at", "finished_at", "tasks", "stream_events_deleted", "events_deleted", "wal_deleted",
-                    "idempotency_deleted", "error")
+                    "idempotency_deleted", "notifications_deleted", "webhook_rejections_deleted", "error")
     list_filter = ("started_at",)
     date_hierarchy = "started_at"
 
@@ -364,6 +364,52 @@ class AgentMessageAdmin(LargeTableAdmin, TaskRecordAdmin):
     list_filter = (TaskFilter, "role", "interrupted", "created_at")
     search_fields = ("task",)
     list_select_related = ("task",)
+
+
+@admin.register(ModelCallAttempt)
+class ModelCallAttemptAdmin(LargeTableAdmin, TaskRecordAdmin):
+    """The ledger of every model call attempt (tokens, cost, outcome), with its sums per model,
+    per task type and per day over the rows the filters select."""
+
+    change_list_template = "admin/orchestrator/modelcallattempt/change_list.html"
+    list_display = ("id", task_link, "step_id", "purpose", "profile", "model", "outcome", "prompt_tokens",
+                    "completion_tokens", "cached_tokens", "estimated", "cost", "created_at")
+    list_filter = (TaskFilter, "outcome", ("purpose", RecentValuesFilter), "estimated", ("profile", RecentValuesFilter),
+                   "created_at")
+    list_select_related = ("task",)
+    SUMS_SHOWN = 50  # rows of each sum table (the busiest first)
+    SUMS_DEFAULT_DAYS = 30  # summed when no date or task narrows the list (a year of rows is millions)
+
+    def changelist_view(self, request, extra_context=None):
+        from datetime import timedelta
+
+        from django.utils import timezone
+
+        response = super().changelist_view(request, extra_context=extra_context)
+        changelist = getattr(response, "context_data", {}).get("cl")
+        if changelist is not None:
+            rows, scope = changelist.queryset, "the attempts selected"
+            if not any(k.startswith("created_at") or k == TASK_PARAM for k in request.GET):
+                rows = rows.filter(created_at__gte=timezone.now() - timedelta(days=self.SUMS_DEFAULT_DAYS))
+                scope = f"the attempts selected in the last {self.SUMS_DEFAULT_DAYS} days (narrow by date for others)"
+            response.context_data["ledger_sums"] = ledger_sums(rows, self.SUMS_SHOWN)
+            response.context_data["ledger_sums_scope"] = scope
+        return response
+
+
+def ledger_sums(rows, shown: int) -> list[tuple[str, list[dict]]]:
+    """The selected attempts summed per model, per task type and per day (most tokens first)."""
+    from django.db.models import Count, F, Sum
+    from django.db.models.functions import TruncDate
+
+    def by(label: str, **group):
+        summed = (rows.order_by().annotate(**group).values("key").annotate(
+            attempts=Count("id"), prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"),
+            cached=Sum("cached_tokens"), cost=Sum("cost")).order_by("-prompt")[:shown])
+        return label, list(summed)
+
+    return [by("model", key=F("model")), by("task type", key=F("task__type")),
+            by("day", key=TruncDate("created_at"))]
 
 
 @admin.register(AgentMemory)
@@ -465,26 +511,14 @@ class ApiTokenAdmin(GuardedChangelistAdmin):
         return False
 
 
-# --- The demo workloads' tables -----------------------------------------------------------
-
-@admin.register(DemoSource)
-class DemoSourceAdmin(GuardedChangelistAdmin):
-    list_display = ("id", "amount")
-    search_fields = ("=id",)
-
-
-@admin.register(DemoDestination)
-class DemoDestinationAdmin(GuardedChangelistAdmin):
-    list_display = ("id", "amount")
-    search_fields = ("=id",)
-
-
-@admin.register(DemoContractExtraction)
-class DemoContractExtractionAdmin(GuardedChangelistAdmin):
-    list_display = ("contract", task_link, "parties", "dates", "amounts")
-    list_filter = (TaskFilter,)
-    search_fields = ("contract", "=task__id")
-
-
 # Every kind of record a task has, in the order the links show them.
 TASK_RECORD_MODELS = (Step, WalEntry, Snapshot, TaskEvent, AuditEntry, ReviewItem)
+
+# Model profiles (their keys are secrets): a module of their own.
+from . import admin_profiles  # noqa: E402,F401
+
+# Outgoing notifications (webhook subscriptions and their deliveries): admins only.
+from . import admin_notifications  # noqa: E402,F401
+
+# MCP servers (their headers and environment are secrets): admins only.
+from . import admin_mcp  # noqa: E402,F401

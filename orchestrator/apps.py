@@ -14,3 +14,10 @@ class OrchestratorConfig(AppConfig):
         from . import redaction_sources
 
         redaction_sources.register()  # webhook secrets and API token hashes join the redacted secrets
+
+        from . import extensions
+
+        # The installation's own tools and task types, in every process (web, workers and the
+        # executors they fork, the sweeper). One that cannot be imported is recorded here and
+        # stops the start as the system check orchestrator.E030 (checks.py).
+        extensions.load()

@@ -6,6 +6,11 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "orchestrator.settings")
 # Initialise Django before anything imports models (the consumers do).
 django_asgi_app = get_asgi_application()
 
+from . import extensions  # noqa: E402
+
+# daphne runs no system checks: a module of ORCH_EXTENSIONS that cannot be imported stops it here, named.
+extensions.require()
+
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402

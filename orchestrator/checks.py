@@ -8,6 +8,8 @@ import sys
 from django.conf import settings
 from django.core.checks import Error, Warning, register
 
+from . import extensions
+
 TAG = "orchestrator"
 
 
@@ -99,3 +101,42 @@ def check_agent_db_tables(app_configs, **kwargs):
                       hint="Remove them from ORCH_AGENT_DB_TABLES; list only tables of your own data.",
                       id="orchestrator.E020")]
     return []
+
+
+@register(TAG)
+def check_llm_models(app_configs, **kwargs):
+    from .llm.profiles import ModelsConfigError, declared
+
+    try:
+        declared()
+    except ModelsConfigError as exc:
+        return [Error(str(exc), hint='LLM_MODELS is JSON: {"name": {"base_url": "http://host:8000/v1", "model": "…", '
+                                     '"api_key": "…"}}; README "Models" lists every field.', id="orchestrator.E040")]
+    return []
+
+
+@register(TAG)
+def check_extensions(app_configs, **kwargs):
+    """Every module ORCH_EXTENSIONS names can be imported (apps.py imported them at start-up)."""
+    return [Error(f"ORCH_EXTENSIONS names {module!r}, which cannot be imported: {why}",
+                  hint=f"Fix {module!r} or remove it from ORCH_EXTENSIONS (comma-separated dotted module paths, "
+                       f"importable by the web, worker and sweeper processes; docs/extending.md).",
+                  id="orchestrator.E030")
+            for module, why in extensions.load().items()]
+
+
+@register(TAG)
+def check_mcp_servers(app_configs, **kwargs):
+    """Every server ORCH_MCP_SERVERS declares is well formed (a wrong one is left out at run time)."""
+    from .tools.mcp import ConfigError, parse_server
+
+    problems = []
+    for name, spec in (settings.ORCH_MCP_SERVERS or {}).items():
+        try:
+            parse_server(name, spec, origin="ORCH_MCP_SERVERS")
+        except ConfigError as exc:
+            problems.append(Error(f"ORCH_MCP_SERVERS: {exc}", id="orchestrator.E050", hint=(
+                'ORCH_MCP_SERVERS is JSON: {"git": {"command": ["mcp-server-git", "--repository", "/srv/repo"], '
+                '"env": {}}, "files": {"url": "http://127.0.0.1:9000/mcp", "headers": {"Authorization": "Bearer …"}}}; '
+                'docs/extending.md, "MCP servers".')))
+    return problems

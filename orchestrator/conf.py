@@ -27,6 +27,14 @@ def names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def json_object(text: str) -> dict:
+    import json
+    value = json.loads(text) if text.strip() else {}
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")
+    return value
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -45,6 +53,16 @@ TABLE: tuple[Setting, ...] = (
     Setting("ORCH_ISOLATE_EXECUTION", boolean, True,
             "run a task's steps in a child process tree that Force-terminate can kill outright"),
     Setting("ORCH_EXTRA_TASK_TYPES", names, [], "extra task type modules, comma-separated (plug-ins, tests)"),
+    Setting("ORCH_EXTENSIONS", names, [],
+            "your own modules (dotted paths, comma-separated) that define tools and task types with "
+            "orchestrator.sdk; a missing or broken one stops the start (system check)"),
+    Setting("ORCH_DEMO", boolean, True,
+            "offer the demo workloads (task types demo.*, the agent's contracts_list/contracts_read): the `demo` "
+            "app, an extension written on orchestrator.sdk like yours"),
+    Setting("ORCH_MCP_SERVERS", json_object, {},
+            'MCP servers whose tools agents may be granted, JSON: {"git": {"command": [...], "env": {}}, '
+            '"files": {"url": "http://…/mcp", "headers": {…}}} (the admin adds more)'),
+    Setting("ORCH_MCP_CALL_TIMEOUT_SECONDS", float, 60.0, "the longest an MCP tool call may take"),
     Setting("ORCH_CONTRACTS_DIR", str, "", "where demo.contracts reads contract_*.txt (default: the shipped samples)"),
     Setting("ORCH_PUBLIC_URL", str, lambda values, env: f"http://127.0.0.1:{env.get('PORT', '8000')}",
             "the dashboard's address, for links in emails to operators"),
@@ -93,6 +111,12 @@ TABLE: tuple[Setting, ...] = (
             "a finished task's progress log is compacted to a summary this long after it finished"),
     Setting("ORCH_RETAIN_WAL_DAYS", float, 90.0,
             "a finished task's WAL rows (those no review refers to) and idempotency records go this long after"),
+    Setting("ORCH_RETAIN_NOTIFICATIONS_DAYS", float, 30.0,
+            "a webhook delivery that is over (delivered, or given up after its last attempt) is deleted this long "
+            "after it was queued; a pending one never"),
+    Setting("ORCH_RETAIN_WEBHOOK_REJECTIONS_DAYS", float, 30.0,
+            "a row of rejected incoming webhook requests is deleted this long after its last repeat (the first "
+            "occurrence stays in the audit log)"),
     Setting("ORCH_RETAIN_EVERY_SECONDS", float, 300.0, "how often the sweeper runs the retention rules"),
     Setting("ORCH_RETAIN_BATCH_TASKS", int, 50, "tasks per rule per retention run (each in its own short transaction)"),
     # --- limits every task gets unless its creator overrides them
@@ -108,6 +132,15 @@ TABLE: tuple[Setting, ...] = (
             "the tables db_query may read (auth, sessions, tokens, webhooks, review and harness tables never)"),
     Setting("ORCH_AGENT_DB_ROLE", str, "orchestrator_agent_reader",
             "PostgreSQL: the read-only role db_query runs as (SET ROLE; `manage.py agent_db_role` grants it)"),
+    Setting("ORCH_AGENT_RESULT_INLINE_CHARS", int, 8000,
+            "a tool result longer than this reaches the model as its head and a reference; the model reads on with "
+            "result_read (the step keeps the whole result)"),
+    Setting("ORCH_AGENT_COMPACT_AT", float, 0.7,
+            "share of the model's context window (less the answer's cap) past which an agent's dialog is compacted: "
+            "a compact-NNN step has the model summarise the earlier turns, and later requests send the summary and "
+            "the harness's ledger of effects instead of them"),
+    Setting("ORCH_AGENT_SUMMARY_TOKENS", int, 1200,
+            "the longest a compaction's summary may be, in tokens (at most an eighth of the window)"),
     Setting("ORCH_AGENT_EMAIL_ALLOW", names, [],
             "recipient patterns (`*@example.org`, `ops@example.org`) email_send may write to without approval "
             "(empty: the domain of DEFAULT_FROM_EMAIL)"),
@@ -120,6 +153,16 @@ TABLE: tuple[Setting, ...] = (
     Setting("ORCH_SANDBOX_MEMORY_MB", int, 512, "shell_run: address space per call (MiB)"),
     Setting("ORCH_SANDBOX_PROCESSES", int, 64, "shell_run: processes per call"),
     Setting("ORCH_SANDBOX_OUTPUT_BYTES", int, 65_536, "shell_run: stdout and stderr kept per call (each)"),
+    Setting("ORCH_APPROVAL_TIMEOUT_SECONDS", float, 86400.0,
+            "an approval nobody decided within this long expires and its tool's fallback applies "
+            "(a task may set approval_timeout_seconds)"),
+    Setting("ORCH_NOTIFY_ATTEMPTS", int, 8,
+            "attempts per outgoing webhook delivery (exponential backoff) before it is marked failed"),
+    Setting("ORCH_NOTIFY_BACKOFF_SECONDS", float, 30.0,
+            "the wait before a webhook delivery's second attempt; each next wait doubles (capped at 6 h)"),
+    Setting("ORCH_NOTIFY_TIMEOUT_SECONDS", float, 5.0,
+            "the longest one webhook attempt may take, and how long the email to the people who can act waits "
+            "for each answer of the mail server"),
     Setting("ORCH_WEBHOOK_RATE", str, "120/m",
             "requests per source and per client address the webhook endpoint takes (django-ratelimit syntax)"),
     # --- web
@@ -195,7 +238,8 @@ class HarnessSettings:
     @property
     def retention(self) -> dict:
         return {name: getattr(settings, f"ORCH_RETAIN_{name.upper()}") for name in (
-            "stream_events_days", "events_days", "wal_days", "every_seconds", "batch_tasks")}
+            "stream_events_days", "events_days", "wal_days", "notifications_days", "webhook_rejections_days",
+            "every_seconds", "batch_tasks")}
 
     @property
     def max_recovery_attempts(self) -> int:
@@ -208,6 +252,10 @@ class HarnessSettings:
     @property
     def recovery_timeout_seconds(self) -> float:
         return settings.ORCH_RECOVERY_TIMEOUT_SECONDS
+
+    @property
+    def approval_timeout_seconds(self) -> float:
+        return settings.ORCH_APPROVAL_TIMEOUT_SECONDS
 
     @property
     def database_retry_seconds(self) -> float:

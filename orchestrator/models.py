@@ -420,35 +420,6 @@ class ApiToken(models.Model):
         return self.expires_at is not None and self.expires_at <= (now or timezone.now())
 
 
-# --- Tables of the demo workloads ------------------------------------------------------
-
-class DemoSource(models.Model):
-    id = models.BigIntegerField(primary_key=True)
-    amount = models.DecimalField(max_digits=18, decimal_places=4)
-
-    class Meta:
-        db_table = "demo_source"
-
-
-class DemoDestination(models.Model):
-    id = models.BigIntegerField(primary_key=True)
-    amount = models.DecimalField(max_digits=18, decimal_places=4)
-
-    class Meta:
-        db_table = "demo_destination"
-
-
-class DemoContractExtraction(models.Model):
-    contract = models.CharField(max_length=100, primary_key=True)
-    parties = models.JSONField(default=list)
-    dates = models.JSONField(default=list)
-    amounts = models.JSONField(default=list)
-    task = models.ForeignKey(Task, null=True, on_delete=models.SET_NULL, related_name="+")
-
-    class Meta:
-        db_table = "demo_contract_extraction"
-
-
 class AgentMessage(models.Model):
     """One message of an agent task's dialog (agent.plan_execute), stored as it happens: the
     history sent to the model is rebuilt from these rows (orchestrator/agent/history.py).
@@ -461,6 +432,9 @@ class AgentMessage(models.Model):
         USER = "user"
         ASSISTANT = "assistant"
         TOOL = "tool"
+        # A compaction's summary of earlier turns (orchestrator/agent/compaction.py): sent in their
+        # place; the rows it summarises are kept (audit, export, rollback) but no longer sent.
+        SUMMARY = "summary"
 
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="agent_messages")
     key = models.CharField(max_length=200)
@@ -468,6 +442,9 @@ class AgentMessage(models.Model):
     order = models.PositiveIntegerField(default=0)  # within its turn: assistant 0, tool results 1.., user notes after
     role = models.CharField(max_length=20, choices=Role.choices)
     content = models.TextField(blank=True)
+    # assistant: the model's reasoning (reasoning_content / reasoning deltas), kept apart from
+    # `content`; sent back to the server only when its profile says so (send_reasoning_back).
+    reasoning = models.TextField(blank=True)
     tool_calls = models.JSONField(default=list, blank=True)  # assistant: [{id, name, arguments}]
     tool_call_id = models.CharField(max_length=200, blank=True)  # tool: the call it answers
     name = models.CharField(max_length=200, blank=True)  # tool: the tool's name
@@ -476,10 +453,15 @@ class AgentMessage(models.Model):
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
     tokens_estimated = models.BooleanField(default=False)  # no usage chunk came: characters / 4
+    # What this call's tokens cost at its model profile's prices (null: the profile has none).
+    cost = models.DecimalField(max_digits=14, decimal_places=6, null=True, blank=True)
     # An interrupted attempt's tokens are added to the task's count by the attempt that completes the turn.
     accounted = models.BooleanField(default=True)
     step_id = models.CharField(max_length=200, blank=True)
     generation = models.PositiveIntegerField(default=0)  # of the step that wrote it (edits and rollbacks bump it)
+    # summary: what it stands for: {"first_turn", "last_turn", "last_message_id", "digest", "messages"}
+    # (the rows of turns first..last with ids up to last_message_id; digest: sha256 of their text).
+    summary_of = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -490,14 +472,56 @@ class AgentMessage(models.Model):
         return f"{self.task_id} turn {self.turn} {self.role}"
 
 
+class ModelCallAttempt(models.Model):
+    """One attempt at a model call, as the server billed it or as it is estimated: the ledger of
+    every token and cent an agent spent (orchestrator/engine/llm_ledger.py, its one writer).
+    Every attempt has a row: completed, cut at its token cap, cut by the server, cancelled by a
+    Stop or Pause, retried after a 429/5xx, refused, failed, or lost with its process (found
+    when the step runs again; estimated)."""
+
+    class Outcome(models.TextChoices):
+        COMPLETED = "completed"
+        LENGTH = "length", "cut at its token cap"
+        CUT = "cut", "stream cut by the server"
+        CANCELLED = "cancelled", "cancelled (Stop, Pause, preemption)"
+        RETRIED = "retried", "failed and retried"
+        REFUSED = "refused", "refused by the server"
+        FAILED = "failed", "failed (attempts used up)"
+        LOST = "lost", "lost with its process"
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="model_attempts")
+    step_id = models.CharField(max_length=200)
+    generation = models.PositiveIntegerField(default=0)
+    purpose = models.CharField(max_length=20, default="turn")  # turn | summary
+    profile = models.CharField(max_length=200, blank=True)
+    model = models.CharField(max_length=200, blank=True)
+    outcome = models.CharField(max_length=20, choices=Outcome.choices)
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField(default=0)
+    cached_tokens = models.PositiveIntegerField(default=0)
+    estimated = models.BooleanField(default=False)  # no usage from the server: characters / 4
+    cost = models.DecimalField(max_digits=14, decimal_places=6, null=True, blank=True)  # null: no prices
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["task", "id"], name="model_attempt_task")]
+
+    def __str__(self):
+        return f"{self.task_id} {self.step_id} {self.outcome}"
+
+
 class AgentMemory(models.Model):
     """Long-term memory of agents: facts kept across tasks, read by the memory_search tool at
     prompt-building time and written by memory_write (through the WAL). Never copied into a
     snapshot."""
 
-    key = models.CharField(max_length=200, primary_key=True)
+    key = models.CharField(max_length=200, primary_key=True)  # the scope's prefix, then the model's key
     value = models.TextField()
     task = models.ForeignKey(Task, null=True, on_delete=models.SET_NULL, related_name="+")
+    # The step that wrote it: a rollback of its task removes the facts written after the version.
+    step_id = models.CharField(max_length=200, blank=True, default="")
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -514,6 +538,8 @@ class RetentionRun(models.Model):
     events_deleted = models.PositiveBigIntegerField(default=0)
     wal_deleted = models.PositiveBigIntegerField(default=0)
     idempotency_deleted = models.PositiveBigIntegerField(default=0)
+    notifications_deleted = models.PositiveBigIntegerField(default=0)  # webhook deliveries that were over
+    webhook_rejections_deleted = models.PositiveBigIntegerField(default=0)  # rows of rejected incoming webhooks
     rules = models.JSONField(default=dict)  # the windows in force
     error = models.TextField(blank=True)
 
@@ -522,3 +548,127 @@ class RetentionRun(models.Model):
 
     def __str__(self):
         return f"retention run {self.started_at:%Y-%m-%d %H:%M}"
+
+
+class EffectClass(models.TextChoices):
+    """What calling a tool does to the world (../shared/AGENT.md, "Effect classes")."""
+    READ_ONLY = "read_only", "read only (no WAL entry)"
+    IDEMPOTENT = "idempotent", "idempotent (a replay is safe)"
+    KEYED = "keyed", "keyed (the idempotency key travels to the other side)"
+    NON_IDEMPOTENT = "non_idempotent", "not idempotent (unknown outcome → review; approval by default)"
+
+
+class McpServer(models.Model):
+    """An MCP server whose tools agents may be granted, as `<name>__<tool>` (tools/mcp.py).
+    Declared here (the admin) or in ORCH_MCP_SERVERS (same shape; that one wins on a name clash).
+    Exactly one of `command` (a stdio server: argv of a child process) or `url` (streamable HTTP)."""
+
+    name = models.CharField(max_length=40, unique=True,
+                            help_text="letters, digits, - and _ (no '__'): tools reach the model as <name>__<tool>")
+    command = models.JSONField(default=list, blank=True, help_text='stdio: the argv, e.g. ["mcp-server-time"]')
+    env = models.JSONField(default=dict, blank=True, help_text="stdio: extra environment of the child (secrets)")
+    url = models.URLField(max_length=500, blank=True, help_text="streamable HTTP: the endpoint")
+    # Secrets (a bearer token): never sent to a model, written to a log or exported.
+    headers = models.JSONField(default=dict, blank=True, help_text="HTTP headers sent with every request (secrets)")
+    tool_effects = models.JSONField(default=dict, blank=True,
+                                    help_text="tool -> effect class, overriding what its annotations say")
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "MCP server"
+
+    def __str__(self):
+        return self.name
+
+
+def validate_http_url(value: str) -> None:
+    """An http(s) URL with a host, whatever the host's name looks like."""
+    from urllib.parse import urlsplit
+
+    from django.core.exceptions import ValidationError
+
+    parts = urlsplit(value or "")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValidationError("Enter an http(s) URL such as http://gpu-1:8000/v1.")
+
+
+class ModelProfile(models.Model):
+    """A model server an agent task may pick with `model` (LLM_MODELS declares more; the
+    installation's default stays LLM_BASE_URL / LLM_API_KEY / LLM_MODEL)."""
+
+    name = models.CharField(max_length=60, unique=True)
+    # Not a URLField: its validator refuses the hosts model servers usually have (gpu-1,
+    # ollama: no dot, no TLD).
+    base_url = models.CharField(max_length=500, validators=[validate_http_url],
+                                help_text="OpenAI-compatible, e.g. http://gpu-1:8000/v1")
+    api_key = models.CharField(max_length=500, blank=True, help_text="a secret: never shown, logged or exported")
+    model = models.CharField(max_length=200, help_text="the model name the server expects")
+    context_window = models.PositiveIntegerField(null=True, blank=True,
+                                                 help_text="tokens (empty: LLM_CONTEXT_WINDOW)")
+    price_input_per_million = models.DecimalField(max_digits=12, decimal_places=4, null=True, blank=True)
+    price_output_per_million = models.DecimalField(max_digits=12, decimal_places=4, null=True, blank=True)
+    price_cached_per_million = models.DecimalField(max_digits=12, decimal_places=4, null=True, blank=True)
+    supports_tools = models.BooleanField(default=True, help_text="the server takes `tools` in a request")
+    supports_stream_options = models.BooleanField(default=True,
+                                                  help_text="the server takes stream_options.include_usage")
+    send_reasoning_back = models.BooleanField(default=False,
+                                              help_text="send reasoning_content back in later requests")
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+
+class NotificationSubscription(models.Model):
+    """An outgoing webhook: each event it takes is delivered, signed with the Standard Webhooks
+    scheme (webhook-id, webhook-timestamp, webhook-signature), retried with backoff."""
+
+    name = models.CharField(max_length=100)
+    url = models.URLField(max_length=500)
+    secret = models.CharField(max_length=200, help_text="whsec_<base64>: the receiver verifies with it")
+    events = models.JSONField(default=list, blank=True,
+                              help_text="event names to deliver (approval.requested, review.opened, "
+                                        "approval.expired, task.needs_human); empty: all")
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return f"{self.name} → {self.url}"
+
+
+class DeliveryStatus(models.TextChoices):
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    FAILED = "failed"  # gave up after the last attempt
+
+
+class NotificationDelivery(models.Model):
+    """One event to one subscription; `message_id` is the webhook-id, the same on every retry
+    so that a receiver can drop duplicates."""
+
+    subscription = models.ForeignKey(NotificationSubscription, on_delete=models.CASCADE, related_name="deliveries")
+    message_id = models.CharField(max_length=64, unique=True)
+    event = models.CharField(max_length=60)
+    payload = models.JSONField(default=dict)
+    status = models.CharField(max_length=20, choices=DeliveryStatus.choices, default=DeliveryStatus.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    next_attempt_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    last_status_code = models.PositiveIntegerField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name_plural = "notification deliveries"

@@ -1,7 +1,7 @@
 """Reads for pages, the API and the CLI (writes live in engine/services.py)."""
 from django.db.models import Q, QuerySet
 
-from .engine import results, snapshots
+from .engine import llm_ledger, results, snapshots
 from .models import Task, TaskStatus
 from .primitives.redaction import redact
 
@@ -77,4 +77,7 @@ def task_export(task_id: int) -> dict:
         # An agent's transcript: every message as stored (interrupted attempts and earlier
         # generations included, each marked), in dialog order.
         "transcript": rows(AgentMessage.objects.filter(task=task).order_by("turn", "order", "id")),
+        # Every model call attempt, as billed or estimated, and their sums (engine/llm_ledger.py).
+        "model_attempts": llm_ledger.attempts_of(task.pk),
+        "model_usage": llm_ledger.totals(task.pk),
     })

@@ -61,6 +61,9 @@ INSTALLED_APPS = [
     "axes",
     "orchestrator.apps.OrchestratorConfig",
     "review.apps.ReviewConfig",
+    # The demo workloads' tables (always installed: their migrations are part of the history); its
+    # task types and tools are offered while ORCH_DEMO is on (orchestrator/extensions.py).
+    "demo.apps.DemoConfig",
 ]
 
 MIDDLEWARE = [
@@ -201,6 +204,8 @@ if REDIS_URL:
     Q_CLUSTER["redis"] = REDIS_URL
 else:
     Q_CLUSTER["orm"] = "default"
+    # Oldest message first (django-q2's own takes rows in no order): engine/brokers.py.
+    Q_CLUSTER["broker_class"] = "orchestrator.engine.brokers.OrderedORM"
 
 # --- Email ----------------------------------------------------------------------------
 EMAIL_HOST = os.environ.get("EMAIL_HOST", "127.0.0.1")
@@ -225,6 +230,12 @@ EMAIL_IMAP_SENT_FOLDER = os.environ.get("EMAIL_IMAP_SENT_FOLDER", "Sent")
 LLM_BASE_URL = os.environ.get("LLM_BASE_URL", "http://127.0.0.1:8011/v1")
 LLM_API_KEY = os.environ.get("LLM_API_KEY", "standin")
 LLM_MODEL = os.environ.get("LLM_MODEL", "standin-planner")
+# The default context window (tokens) of a model that does not declare its own.
+LLM_CONTEXT_WINDOW = int(os.environ.get("LLM_CONTEXT_WINDOW", "32768"))
+# More model profiles, JSON: {"name": {"base_url": …, "api_key": …, "model": …, "context_window": …,
+# "price_input_per_million": …, "price_output_per_million": …, "price_cached_per_million": …,
+# "supports_tools": true, "supports_stream_options": true}}; the admin adds more (ModelProfile).
+LLM_MODELS = os.environ.get("LLM_MODELS", "")
 LLM_CONNECT_TIMEOUT = float(os.environ.get("LLM_CONNECT_TIMEOUT", "5"))
 # The longest silence accepted while waiting for the next streamed chunk (not the whole call).
 LLM_READ_TIMEOUT = float(os.environ.get("LLM_READ_TIMEOUT", "60"))
@@ -304,6 +315,9 @@ LOGGING = {
         "orchestrator": {"handlers": ["console"], "level": ORCH["ORCH_LOG_LEVEL"]},
         "review": {"handlers": ["console"], "level": ORCH["ORCH_LOG_LEVEL"]},
         "django-q": {"handlers": ["console"], "level": "WARNING", "propagate": False},  # django-q2's logger
+        # The MCP SDK's own warnings (a line a server sent that is not JSON-RPC...): through the
+        # redacting formatter like ours, never straight to stderr.
+        "mcp": {"handlers": ["console"], "level": "WARNING", "propagate": False},
     },
 }
 

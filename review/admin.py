@@ -5,9 +5,9 @@ from django.contrib import admin
 from django.urls import reverse
 from django.utils.html import format_html
 
-from orchestrator.admin import TaskFilter, TaskRecordAdmin, task_link
+from orchestrator.admin import ReadOnlyAdmin, TaskFilter, TaskRecordAdmin, task_link
 
-from .models import ReviewItem
+from .models import ApprovalVote, ReviewItem
 from .selectors import tool_names
 
 
@@ -40,9 +40,20 @@ class ReviewItemAdmin(TaskRecordAdmin):
         (None, {"fields": ("kind", "status", "page", "records", "wal_entry_link", "proposal")}),
         ("In doubt", {"fields": ("reason", "dead_worker", "detected_at", "evidence")}),
         ("Decision", {"fields": ("decision", "note", "decision_result", "decided_by", "decided_at")}),
+        ("Approval", {"fields": ("expires_at", "on_expiry", "escalate_to", "expired_at", "escalated_at",
+                                 "approvals_required", "votes_given")}),
     )
     readonly_fields = ("kind", "proposal", "status", "page", "records", "wal_entry_link", "reason", "dead_worker", "detected_at",
-                       "evidence", "decision", "note", "decision_result", "decided_by", "decided_at")
+                       "evidence", "decision", "note", "decision_result", "decided_by", "decided_at", "expires_at",
+                       "on_expiry", "escalate_to", "expired_at", "escalated_at", "approvals_required", "votes_given")
+
+    @admin.display(description="two-person approval votes")
+    def votes_given(self, obj):
+        votes = list(obj.votes.all())
+        if not votes:
+            return "—"
+        return format_html("<br>".join(["{} {} at {} ({})"] * len(votes)), *[
+            part for v in votes for part in (v.reviewer_name, v.get_decision_display(), v.at, v.arguments_sha256[:12])])
 
     @admin.display(description="step", ordering="wal_entry__step_id")
     def step(self, obj):
@@ -62,3 +73,14 @@ class ReviewItemAdmin(TaskRecordAdmin):
     @admin.display(description="review page")
     def page(self, obj):
         return format_html('<a href="{}">Open the review page</a>', reverse("review:detail", args=[obj.pk]))
+
+
+@admin.register(ApprovalVote)
+class ApprovalVoteAdmin(ReadOnlyAdmin):
+    """Two-person approval: each reviewer's approval of an item's arguments (written by
+    review.approvals only)."""
+    list_display = ("id", "item", "reviewer_name", "decision", "arguments_sha256", "at")
+    list_filter = ("decision", "at")
+    search_fields = ("=item__id", "reviewer_name", "arguments_sha256")
+    list_select_related = ("item",)
+    readonly_fields = ("item", "reviewer", "reviewer_name", "decision", "arguments", "arguments_sha256", "note", "at")

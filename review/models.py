@@ -8,6 +8,19 @@ from django.db import models
 class ReviewStatus(models.TextChoices):
     OPEN = "open"
     DECIDED = "decided"
+    # An approval nobody decided in time, whose fallback was `reject`: not a rejection (nobody
+    # said no), and the model is told so. Closed: a decision afterwards is refused.
+    EXPIRED = "expired"
+    # An approval whose call can no longer run: its task was stopped, terminated or ended, or
+    # rolled back (or edited) past its step. Closed, with the reason in `note`.
+    REVOKED = "revoked"
+
+
+class OnExpiry(models.TextChoices):
+    """What an approval nobody decided in time does (per tool, AgentParams.approval_rules)."""
+    REJECT = "reject", "expire: the call does not run and the model reads that the approval expired"
+    KEEP_WAITING = "keep_waiting", "keep waiting for a reviewer (marked overdue)"
+    ESCALATE = "escalate", "escalate to another group's reviewers, for one more timeout; then expire"
 
 
 class ReviewKind(models.TextChoices):
@@ -54,12 +67,24 @@ class ReviewItem(models.Model):
     decided_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                                    related_name="review_decisions")
     decided_at = models.DateTimeField(null=True, blank=True)
+    # --- approvals only (review.services, engine/approvals.py) ---
+    # The deadline: past it, the sweeper applies `on_expiry` (expire_due_approvals).
+    expires_at = models.DateTimeField(null=True, blank=True)
+    on_expiry = models.CharField(max_length=20, choices=OnExpiry.choices, blank=True)
+    escalate_to = models.CharField(max_length=150, blank=True)  # a group name, for on_expiry=escalate
+    expired_at = models.DateTimeField(null=True, blank=True)  # the deadline passed (whatever the fallback)
+    # Escalated: from then on only reviewers in `escalate_to` (and admins) may decide it.
+    escalated_at = models.DateTimeField(null=True, blank=True)
+    # Two-person approval: how many different reviewers must approve the same arguments.
+    approvals_required = models.PositiveSmallIntegerField(default=1)
 
     class Meta:
         ordering = ["detected_at", "id"]
         indexes = [models.Index(fields=["status", "detected_at"], name="review_status_detected"),
                    # The admin's list of every item, in this ordering (without it: a sort after a join).
-                   models.Index(fields=["detected_at", "id"], name="review_detected_id")]
+                   models.Index(fields=["detected_at", "id"], name="review_detected_id"),
+                   # The sweeper's question every pass: open approvals past their deadline.
+                   models.Index(fields=["status", "expires_at"], name="review_status_expires")]
 
     def __str__(self):
         return f"review #{self.pk} task {self.task_id} {self.tool} ({self.status})"
@@ -72,3 +97,27 @@ class ReviewItem(models.Model):
     @property
     def step(self) -> str:
         return self.wal_entry.step_id if self.wal_entry_id else self.step_id
+
+
+class ApprovalVote(models.Model):
+    """One reviewer's approval of an approval item that needs two (approvals_required=2):
+    bound to the arguments they approved (an edit is an approval of the edited arguments).
+    The call runs once two different reviewers approved the same digest; the same person
+    cannot approve the same arguments twice (unique constraint)."""
+    item = models.ForeignKey(ReviewItem, on_delete=models.CASCADE, related_name="votes")
+    reviewer = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL,
+                                 related_name="approval_votes")
+    reviewer_name = models.CharField(max_length=150)  # kept if the account is deleted
+    decision = models.CharField(max_length=20, choices=Decision.choices)
+    arguments = models.JSONField()
+    arguments_sha256 = models.CharField(max_length=64)
+    note = models.TextField(blank=True)
+    at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["at", "id"]
+        constraints = [models.UniqueConstraint(fields=["item", "reviewer", "arguments_sha256"],
+                                               name="approval_vote_once_per_reviewer")]
+
+    def __str__(self):
+        return f"vote on review #{self.item_id} by {self.reviewer_id} ({self.decision})"

@@ -1,6 +1,6 @@
 from django.db.models import Q, QuerySet
 
-from orchestrator.agent.toolbox import TOOLS as AGENT_TOOLS
+from orchestrator.agent.toolbox import known_names as agent_tool_names
 from orchestrator.tools.base import all_tools
 
 from orchestrator.models import WalEntry
@@ -9,7 +9,8 @@ from .models import ReviewItem, ReviewKind, ReviewStatus
 
 
 def review_list(*, status: str = "open", task_id: int | None = None, tool: str = "") -> QuerySet[ReviewItem]:
-    qs = ReviewItem.objects.select_related("task", "wal_entry", "decided_by").order_by("detected_at", "id")
+    qs = (ReviewItem.objects.select_related("task", "wal_entry", "decided_by").prefetch_related("votes")
+          .order_by("detected_at", "id"))
     if status in ReviewStatus.values:
         qs = qs.filter(status=status)
     if task_id:
@@ -35,11 +36,12 @@ def tool_names() -> list[str]:
     effects can be in doubt, and the agent's, whose calls can wait for approval). Read from
     the registries: a DISTINCT over a year of items joined to their WAL rows is a random read
     per item (300 ms at 10,000 items, bench/list.py)."""
-    return sorted(set(all_tools()) | set(AGENT_TOOLS))
+    return sorted(set(all_tools()) | set(agent_tool_names()))
 
 
 def review_detail(review_id: int) -> ReviewItem:
-    return ReviewItem.objects.select_related("task", "wal_entry", "decided_by").get(pk=review_id)
+    return ReviewItem.objects.select_related("task", "wal_entry", "decided_by").prefetch_related("votes").get(
+        pk=review_id)
 
 
 def settled_by_probes() -> dict:

@@ -17,15 +17,14 @@ from orchestrator.engine.audit import audit
 from orchestrator.engine.events import append_event
 from orchestrator.engine.services import FieldError, InvalidInput
 from orchestrator.models import IdempotencyRecord, TaskStatus as S, WalEntry, WalStatus
+from orchestrator.notifications import APPROVAL_REQUESTED, REVIEW_OPENED, notify
 from orchestrator.tools.base import get_tool
 
+from . import approvals as approval_decisions
+from .approvals import DecisionRefused, ReviewClosed, closed_message  # noqa: F401 - the API's and pages' errors
 from .models import DECISIONS_BY_KIND, Decision, ReviewItem, ReviewKind, ReviewStatus
 
 log = logging.getLogger(__name__)
-
-
-class ReviewClosed(Exception):
-    """The item was decided already (HTTP 409)."""
 
 
 def open_for_effect_in_doubt(sender, *, entry: WalEntry, reason: str, dead_worker: str = "",
@@ -67,11 +66,13 @@ def review_open(*, entry: WalEntry, reason: str, dead_worker: str = "",
         existing.save()
         log.warning("review reopened", extra={"task_id": entry.task_id, "wal_entry_id": entry.pk,
                                               "resume_strategy": "awaiting_review"})
+        notify(REVIEW_OPENED, task_id=entry.task_id, item_id=existing.pk, tool=entry.tool, reason=reason)
         return existing
     item = ReviewItem.objects.create(task_id=entry.task_id, wal_entry=entry, reason=reason, dead_worker=dead_worker,
                                      evidence=evidence)
     log.warning("review opened", extra={"task_id": entry.task_id, "wal_entry_id": entry.pk,
                                         "resume_strategy": "awaiting_review"})
+    notify(REVIEW_OPENED, task_id=entry.task_id, item_id=item.pk, tool=entry.tool, reason=reason)
     return item
 
 
@@ -88,44 +89,62 @@ def continue_if_nothing_to_review(task_id: int) -> None:
 
 
 def open_for_approval(sender, *, task_id: int, step_id: str, tool: str, arguments: dict, context: str = "",
-                      call_id: str = "", arguments_sha256: str = "", reason: str = "", **kwargs) -> ReviewItem:
-    """The receiver of the engine's `approval_requested` signal: one approval item per step,
-    call and arguments (asked again, e.g. after a crash, the same item; its decision stands).
-    A step that runs again for another call (after an edit or a rollback) gets a new item."""
-    for existing in ReviewItem.objects.filter(task_id=task_id, kind=ReviewKind.APPROVAL, step_id=step_id):
+                      call_id: str = "", arguments_sha256: str = "", reason: str = "", generation: int = 0,
+                      policy: dict | None = None, **kwargs) -> ReviewItem:
+    """The receiver of the engine's `approval_requested` signal: one approval item per step
+    generation, call and arguments (asked again, e.g. after a crash, the same item; its
+    decision stands). A step that runs again after an edit or a rollback (a new generation)
+    gets a new item. `policy` (engine.approvals.Policy.resolved()): its deadline, its fallback
+    and how many reviewers it needs."""
+    for existing in ReviewItem.objects.filter(task_id=task_id, kind=ReviewKind.APPROVAL, step_id=step_id).exclude(
+            status=ReviewStatus.REVOKED):
         proposal = existing.proposal or {}
-        if proposal.get("call_id") == call_id and proposal.get("arguments_sha256") == arguments_sha256:
+        if (proposal.get("call_id") == call_id and proposal.get("arguments_sha256") == arguments_sha256
+                and proposal.get("generation", 0) == generation):
             return existing
+    policy = policy or approvals.Policy().resolved()
     item = ReviewItem.objects.create(
         task_id=task_id, kind=ReviewKind.APPROVAL, step_id=step_id,
         proposal={"tool": tool, "arguments": arguments, "call_id": call_id, "arguments_sha256": arguments_sha256,
-                  "context": context[:20_000]},
-        reason=f"{tool} needs approval before it runs" + (f": {reason}" if reason else ""))
+                  "context": context[:20_000], "generation": generation, "policy": policy,
+                  **approval_decisions.tool_schema(tool)},
+        reason=f"{tool} needs approval before it runs" + (f": {reason}" if reason else ""),
+        **approval_decisions.deadline_fields(policy))
     log.info("approval requested", extra={"task_id": task_id, "step_id": step_id})
+    notify(APPROVAL_REQUESTED, task_id=task_id, item_id=item.pk, tool=tool, reason=reason)
     return item
 
 
-def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=None, ip: str | None = None) -> ReviewItem:
+def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=None, ip: str | None = None,
+                  arguments_sha256: str = "") -> ReviewItem:
+    """Decide review item `item_id`. An approval: `approve`, `edit_approve` (`result`: the
+    corrected arguments, checked by the tool's argument model) or `reject` (review/approvals.py;
+    `arguments_sha256`: the digest of the arguments the reviewer was shown, refused if they
+    changed since). An effect in doubt: `happened`, `not_happened`, `skip` or `abort_task`.
+    A closed item's decision is refused (ReviewClosed: who closed it and when)."""
     kind = ReviewItem.objects.filter(pk=item_id).values_list("kind", flat=True).first() or ReviewKind.EFFECT
     allowed = [d.value for d in DECISIONS_BY_KIND[kind]]
     errors = []
     if decision not in allowed:
         errors.append(FieldError("decision", f"must be one of {', '.join(allowed)}"))
-    if not (note or "").strip():
-        errors.append(FieldError("note", "a note is required: say what you checked"))
+    # An approval speaks for itself (who and when are audited); a rejection is what the model
+    # reads, and an effect's decision records what the reviewer checked: those need a note.
+    if not (note or "").strip() and decision not in (Decision.APPROVE, Decision.EDIT_APPROVE):
+        errors.append(FieldError("note", "a note is required: say what you checked" if kind == ReviewKind.EFFECT
+                                 else "a note is required: the model reads it as the reason"))
     if decision == Decision.EDIT_APPROVE and not isinstance(result, dict):
         errors.append(FieldError("result", "edit-and-approve needs the corrected arguments as a JSON object"))
     if errors:
         raise InvalidInput(errors)
     if kind == ReviewKind.APPROVAL:
-        return _decide_approval(item_id, decision, note, result, actor, ip)
+        return approval_decisions.decide(item_id=item_id, decision=decision, note=note or "", arguments=result,
+                                         actor=actor, ip=ip, shown_sha256=arguments_sha256)
     with transaction.atomic():
         item = ReviewItem.objects.select_related("wal_entry").get(pk=item_id)
         task = states.lock_task(item.task_id)
         item = ReviewItem.objects.select_for_update(of=("self",)).select_related("wal_entry").get(pk=item_id)
         if item.status != ReviewStatus.OPEN:
-            raise ReviewClosed(f"Review #{item.pk} was already decided ({item.decision}) by "
-                               f"{item.decided_by or 'someone'}; nothing was changed.")
+            raise ReviewClosed(closed_message(item))
         entry = item.wal_entry
         before = {"wal_status": entry.status, "task_status": task.status}
         now = timezone.now()
@@ -171,35 +190,6 @@ def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=
                 "open_reviews": ReviewItem.objects.filter(task=task, status=ReviewStatus.OPEN).count()})
     log.info("review decided: %s", decision, extra={"task_id": task.pk, "wal_entry_id": entry.pk,
                                                     "resume_strategy": f"review:{decision}"})
-    return item
-
-
-def _decide_approval(item_id: int, decision: str, note: str, arguments, actor, ip) -> ReviewItem:
-    """Approve, edit-and-approve or reject a proposed tool call: the decision goes into the
-    task as an `approval.decided` event naming this approval and bound to its call (the call
-    id, and the digest of the arguments it may run with), which wakes the waiting step; audited.
-    Deciding twice is refused (ReviewClosed): a decision is applied once."""
-    with transaction.atomic():
-        task = states.lock_task(ReviewItem.objects.values_list("task_id", flat=True).get(pk=item_id))
-        item = ReviewItem.objects.select_for_update().get(pk=item_id)
-        if item.status != ReviewStatus.OPEN:
-            raise ReviewClosed(f"Review #{item.pk} was already decided ({item.decision}) by "
-                               f"{item.decided_by or 'someone'}; nothing was changed.")
-        now = timezone.now()
-        _close(item, decision, note, arguments if decision == Decision.EDIT_APPROVE else None, actor, now)
-        proposal = item.proposal or {}
-        runs_with = arguments if decision == Decision.EDIT_APPROVE else proposal.get("arguments")
-        payload = {"approved": decision != Decision.REJECT, "approval_id": str(item.pk),
-                   "call_id": proposal.get("call_id", ""), "note": note.strip()[:2000],
-                   "arguments_sha256": approvals.arguments_digest(runs_with) if decision != Decision.REJECT else ""}
-        if decision == Decision.EDIT_APPROVE:
-            payload["arguments"] = arguments
-        inbox.send(task_id=task.pk, type="approval.decided", payload=payload, source=inbox.REVIEW_SOURCE,
-                   actor=actor, ip=ip, source_event_id=f"review-{item.pk}")
-        audit(action="review.approval", actor=actor, ip=ip, task=task, reason=note,
-              before={"proposal": item.proposal}, after={"review": item.pk, "decision": decision,
-                                                         "arguments": arguments})
-    log.info("approval decided: %s", decision, extra={"task_id": task.pk, "step_id": item.step_id})
     return item
 
 

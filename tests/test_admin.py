@@ -16,10 +16,12 @@ from django.utils import timezone
 from orchestrator.admin_tables import LargeTableAdmin
 from orchestrator.engine import inbox, services
 from orchestrator.models import (
-    AgentMemory, AgentMessage, ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, InboundEvent,
-    RetentionRun, Snapshot, Step, StepResult, Task, TaskEvent, WalEntry, WebhookRejection, WebhookSource,
+    AgentMemory, AgentMessage, ApiToken, ModelCallAttempt, McpServer, ModelProfile, AuditEntry, IdempotencyRecord, InboundEvent,
+    NotificationDelivery, NotificationSubscription, RetentionRun, Snapshot, Step, StepResult, Task, TaskEvent,
+    WalEntry, WebhookRejection, WebhookSource,
 )
-from review.models import ReviewItem
+from demo.models import DemoContractExtraction, DemoDestination, DemoSource
+from review.models import ApprovalVote, ReviewItem
 from review.services import review_decide, review_open
 
 pytestmark = pytest.mark.django_db
@@ -66,12 +68,24 @@ def records(superuser):
     DemoContractExtraction.objects.create(contract="c1", task=task)
     AgentMessage.objects.create(task=task, key="goal:g0", turn=0, order=1, role="user", content="alpha goal")
     AgentMemory.objects.create(key="alpha fact", value="the books balance", task=task)
+    ModelCallAttempt.objects.create(task=task, step_id="turn-001", profile="alpha-gpu", model="m", outcome="completed",
+                                    prompt_tokens=120, completion_tokens=30, cost="0.000480")
     RetentionRun.objects.create(started_at=task.created_at, tasks=1, events_deleted=3)
+    McpServer.objects.create(name="alpha-git", command=["mcp-server-git"], env={"GIT_TOKEN": "alpha-env-secret"})
+    ModelProfile.objects.create(name="alpha-gpu", base_url="http://gpu-1:8000/v1", model="m", api_key="sk-alpha-key-123")
+    hook = NotificationSubscription.objects.create(name="alpha-hook", url="http://127.0.0.1:9/hook",
+                                                   secret="whsec_" + "A" * 43 + "=")
+    NotificationDelivery.objects.create(subscription=hook, message_id="msg_alpha", event="task.needs_human",
+                                        payload={"type": "task.needs_human"})
     other = services.task_create(type="demo.contracts", params={}, title="beta contracts")
     send = WalEntry.objects.create(task=task, step_id="send-001", call_index=0, tool="email.send",
                                    idempotency_key="alpha-send-key", idempotent=False, lease_epoch=1,
                                    args={"to": "a@example.org", "subject": "s"}, worker="host:1")
     review = review_open(entry=send, reason="worker host:1 died mid-send", dead_worker="host:1")
+    # (A vote belongs to an approval; any item will do for the admin's pages, and another item
+    # would change what the review tests below count.)
+    ApprovalVote.objects.create(item=review, reviewer=superuser, reviewer_name="root", decision="approve",
+                                arguments={"to": ["a@example.org"]}, arguments_sha256="a" * 64, note="alpha vote")
     return {"task": Task.objects.get(pk=task.pk), "other": other, "step": step, "wal": wal, "send": send,
             "review": review}
 
@@ -149,7 +163,8 @@ def test_a_large_table_s_changelist_never_reads_the_whole_table(client, superuse
             assert "LIMIT" in upper, f"an unbounded count: {query}"
         if "DISTINCT" in upper and model.objects.count() >= admin_tables.RECENT_ROWS:
             assert "WHERE" in upper, f"a DISTINCT over the whole table: {query}"
-        assert "TRUNC" not in upper, f"a date drill-down scan: {query}"
+        # A date drill-down reads every row; sums per day over a bounded range (the ledger's) do not.
+        assert "TRUNC" not in upper or "WHERE" in upper, f"a date drill-down scan: {query}"
 
 
 def test_a_long_list_shows_an_estimated_count_and_pages_through_its_head(client, superuser, records, monkeypatch):

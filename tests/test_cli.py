@@ -72,7 +72,8 @@ def test_resume_with_params_applies_the_edit_and_the_task_completes(capsys):
     from decimal import Decimal
 
     from orchestrator.engine.worker import drive_inline
-    from orchestrator.models import AuditEntry, DemoDestination, DemoSource
+    from orchestrator.models import AuditEntry
+    from demo.models import DemoDestination, DemoSource
 
     task_id = paused_migration(capsys)
     call_command("tasks", "resume", str(task_id), "--param", "rate=2", "--limit", "max_steps=1000")

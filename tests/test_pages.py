@@ -5,10 +5,8 @@ from django.contrib.auth.models import Group, User
 from django.urls import reverse
 
 from orchestrator.engine import services
-from orchestrator.models import (
-    ApiToken, AuditEntry, DemoContractExtraction, DemoDestination, DemoSource, IdempotencyRecord, Snapshot, Step,
-    Task, TaskEvent, WalEntry,
-)
+from orchestrator.models import ApiToken, AuditEntry, IdempotencyRecord, Snapshot, Step, Task, TaskEvent, WalEntry
+from demo.models import DemoContractExtraction, DemoDestination, DemoSource
 from tests.support.controls import visible_controls
 
 ALL_MODELS = [Task, Step, WalEntry, Snapshot, TaskEvent, IdempotencyRecord, AuditEntry, ApiToken, DemoSource,

@@ -10,7 +10,8 @@ from django.urls import reverse
 
 from orchestrator.engine import services
 from orchestrator.engine.worker import drive_inline
-from orchestrator.models import AuditEntry, DemoDestination, DemoSource, Snapshot, Step, Task
+from orchestrator.models import AuditEntry, Snapshot, Step, Task
+from demo.models import DemoDestination, DemoSource
 from tests.support.controls import visible_controls
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -65,7 +65,9 @@ def environment_of(pid: int) -> dict:
 
 
 def children(pid: int) -> dict[int, str]:
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    # -ww: the whole command line (ps cuts it at $COLUMNS or 80 otherwise: under a long checkout path,
+    # as CI's fresh clone in /tmp/tmp.XXXXXXXXXX, "... manage.py qcluster" lost its last word).
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return {int(line.split(None, 1)[0]): line.split(None, 1)[1] for line in out.strip().splitlines()}
 
 
@@ -82,8 +84,13 @@ def test_the_standin_moves_to_a_free_port_when_its_port_is_taken(tmp_path, occup
         assert f"Model: the stand-in at http://127.0.0.1:{moved_to}/v1" in output(tmp_path)
         assert wait_for(lambda: models_at(moved_to), timeout=30, message="the stand-in to answer there")
         # The children that call the model (workers, web, sweeper) are told where it is.
-        kids = wait_for(lambda: (lambda k: k if len(k) == 4 else None)(children(proc.pid)), timeout=10,
-                        message="runstack's four children")
+        # A child just forked still shows runstack's own command line until it execs: wait for the
+        # workers' process by what it runs, not for a count of children.
+        try:
+            kids = wait_for(lambda: (lambda k: k if any("qcluster" in a for a in k.values()) else None)(
+                children(proc.pid)), timeout=30, message="runstack's workers (qcluster)")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; runstack said:\n{output(tmp_path)[-5000:]}") from None
         workers = next(pid for pid, args in kids.items() if "qcluster" in args)
         assert environment_of(workers)["LLM_BASE_URL"] == f"http://127.0.0.1:{moved_to}/v1"
         assert "Traceback" not in output(tmp_path)

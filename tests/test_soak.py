@@ -1,7 +1,9 @@
 """The soak's short mode (bench/soak.py --short): >= 20 faults of every kind — executors,
 workers and whole clusters killed, SMTP dropped after DATA or answering too late, broker
-messages purged, PostgreSQL and Redis restarted — on real worker clusters; nothing lost,
-nothing duplicated, no stray process, no stuck task.
+messages purged, PostgreSQL and Redis restarted, an operator's Stop and Force-terminate while
+an email or a POST is in flight, an upstream that acted and answered 502, a POST held past its
+step's timeout — on real worker clusters; nothing lost, nothing duplicated, no stray process,
+no stuck task, no effect of unknown outcome left without a reviewer's decision.
 
 The soak brings its own PostgreSQL cluster, Redis and SMTP server, so it runs the same in
 the SQLite and the PostgreSQL runs of the suite. It runs as a subprocess: it makes itself a
@@ -37,6 +39,12 @@ def test_short_soak_loses_duplicates_leaves_and_sticks_nothing(tmp_path):
     assert verdict["faults_total"] >= 20, report
     assert all(verdict["faults"].get(kind) for kind in (
         "kill_executor", "kill_worker", "kill_cluster", "smtp_drop_after_data", "smtp_reply_late",
-        "broker_purge", "pg_restart", "redis_restart")), report
-    assert (verdict["lost"], verdict["duplicated"], verdict["stray"], verdict["stuck"]) == (0, 0, 0, 0), report
+        "broker_purge", "pg_restart", "redis_restart",
+        # an operator's Stop / Force-terminate while an email or a POST is in flight, an upstream
+        # that acted and answered 502, a POST held past its step's timeout
+        "stop_mid_send", "force_mid_send", "stop_mid_post", "force_mid_post", "upstream_502_after_acting",
+        "step_timeout")), report
+    assert verdict["stopped_by_soak"] and verdict["terminated_by_soak"], report
+    assert (verdict["lost"], verdict["duplicated"], verdict["stray"], verdict["stuck"], verdict["unreviewed"]) == \
+        (0, 0, 0, 0, 0), report
     assert done.returncode == 0, report

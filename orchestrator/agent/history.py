@@ -11,9 +11,11 @@ after what the model said and before its next answer.
 Only rows of the current generation of the step that wrote them count: after an edit or a
 rollback re-runs a turn, what the earlier run said is history no more.
 """
-from django.db.models import Max
+from django.db.models import Max, Q
 
 from ..models import AgentMessage, Step, WalEntry, WalStatus
+from . import compaction
+from .compaction import review_of
 
 USER_ORDER = 1000
 INTERRUPTED_NOTE = ("(Your previous answer was interrupted before it was complete; what you had written is above. "
@@ -21,40 +23,71 @@ INTERRUPTED_NOTE = ("(Your previous answer was interrupted before it was complet
 NOT_EXECUTED = "not executed: the run was interrupted before this call"
 
 
-def current(task_id: int):
-    """The task's rows that still count (their step's generation is the current one)."""
-    generations = dict(Step.objects.filter(task_id=task_id).values_list("step_id", "generation"))
-    rows = AgentMessage.objects.filter(task_id=task_id).order_by("turn", "order", "id")
+def current(task_id: int, rows=None):
+    """The task's rows that still count (their step's generation is the current one); of
+    `rows` (a queryset of the task's AgentMessage) when given."""
+    rows = list((rows if rows is not None else AgentMessage.objects.filter(task_id=task_id))
+                .order_by("turn", "order", "id"))
+    step_ids = {row.step_id for row in rows if row.step_id}
+    generations = dict(Step.objects.filter(task_id=task_id, step_id__in=step_ids).values_list("step_id", "generation"))
     return [row for row in rows if not row.step_id or generations.get(row.step_id) == row.generation]
 
 
-def messages_for_turn(task_id: int, turn: int, settled: dict[str, str] | None = None) -> list[dict]:
+def sendable(task_id: int, turn: int) -> tuple[AgentMessage | None, list[AgentMessage]]:
+    """The summary that counts for `turn`'s request, and the current rows not summarised by it
+    (read without the summarised ones: a long run's request costs the same at turn 200 as at
+    turn 10)."""
+    summaries = current(task_id, AgentMessage.objects.filter(task_id=task_id, role=AgentMessage.Role.SUMMARY,
+                                                             turn__lt=turn, interrupted=False))
+    summary = compaction.latest(summaries)
+    if summary is None:
+        return None, current(task_id)
+    of = summary.summary_of
+    rows = AgentMessage.objects.filter(task_id=task_id).filter(
+        Q(turn=0) | Q(turn__gt=of["last_turn"]) | Q(id__gt=of["last_message_id"])
+        | Q(interrupted=True, turn__gte=of["last_turn"]))
+    return summary, [r for r in current(task_id, rows) if not compaction.hidden_by(summary, r)]
+
+
+def messages_for_turn(task_id: int, turn: int, settled: dict[str, str] | None = None, *,
+                      include_reasoning: bool = False) -> list[dict]:
     """The messages of the request for `turn`: everything before it, plus its own
     interrupted attempts (the model continues them instead of starting over). Raises
-    Unsettled for a dangling call whose effect must go through the WAL first (see repaired)."""
+    Unsettled for a dangling call whose effect must go through the WAL first (see repaired).
+    The model's reasoning goes back (`reasoning_content`) only with `include_reasoning` (the
+    profile's send_reasoning_back): servers differ in accepting it."""
+    # The turns a compaction summarised are sent as its summary (with the harness's ledger),
+    # right after the system prompt and the goal (compaction.py).
+    summary, unsummarised = sendable(task_id, turn)
     # Its own answer and tool results are not part of its request; an attempt that was lost
     # before its first token has nothing to continue.
-    rows = [r for r in current(task_id)
-            if (r.interrupted and r.content and r.turn <= turn)
-            or (not r.interrupted and (r.turn < turn or (r.turn == turn and r.role == AgentMessage.Role.USER)))]
-    return repaired(task_id, _with_notes(rows), {c["id"]: c.get("step", "") for r in rows for c in r.tool_calls},
-                    settled)
+    rows = [r for r in unsummarised
+            if ((r.interrupted and r.content and r.turn <= turn)
+                or (not r.interrupted and (r.turn < turn or (r.turn == turn and r.role == AgentMessage.Role.USER))))
+            and r.role != AgentMessage.Role.SUMMARY]
+    messages = _with_notes(rows, include_reasoning)
+    if summary is not None:
+        opening = sum(1 for r in rows if r.turn == 0)
+        messages[opening:opening] = [compaction.wire(task_id, summary)]
+    return repaired(task_id, messages, {c["id"]: c.get("step", "") for r in rows for c in r.tool_calls}, settled)
 
 
-def _with_notes(rows) -> list[dict]:
+def _with_notes(rows, include_reasoning: bool = False) -> list[dict]:
     messages = []
     for row in rows:
-        messages.append(_wire(row))
+        messages.append(_wire(row, include_reasoning))
         if row.role == AgentMessage.Role.ASSISTANT and row.interrupted:
             messages.append({"role": "user", "content": INTERRUPTED_NOTE})
     return messages
 
 
-def _wire(row: AgentMessage) -> dict:
+def _wire(row: AgentMessage, include_reasoning: bool = False) -> dict:
     if row.role == AgentMessage.Role.TOOL:
         return {"role": "tool", "tool_call_id": row.tool_call_id, "content": row.content}
     if row.role == AgentMessage.Role.ASSISTANT:
         message = {"role": "assistant", "content": row.content or None}
+        if include_reasoning and row.reasoning:
+            message["reasoning_content"] = row.reasoning
         if row.tool_calls:
             message["tool_calls"] = [{"id": c["id"], "type": "function",
                                       "function": {"name": c["name"], "arguments": c["arguments"]}}
@@ -121,9 +154,9 @@ def answer_for(task_id: int, call: dict, step_id: str, settled: dict[str, str]) 
 
         result = result_of(step)  # the tool step's record: {"tool_call_id", "name", "ok", "result"}
         value = result.get("result") if isinstance(result, dict) and "result" in result else result
-        return reviewed(task_id, step_id, as_message_text(value))
+        return reviewed(task_id, step_id, as_message_text(value, ref=step_id))
     if entry is not None:
-        decision = _review_of(entry)
+        decision = review_of(entry)
         if entry.status == WalStatus.DONE:
             return reviewed(task_id, step_id, as_message_text(entry.result))
         if entry.status == WalStatus.SKIPPED:
@@ -155,18 +188,11 @@ def skipped_text(task_id: int, step_id: str, error: str) -> str:
     return error if error.startswith("skipped") else f"skipped: {error or 'no reason recorded'}"
 
 
-def _review_of(entry: WalEntry):
-    """The decided review of an effect in doubt, if a reviewer decided it."""
-    from review.models import ReviewItem, ReviewStatus
-
-    return ReviewItem.objects.filter(wal_entry=entry).exclude(status=ReviewStatus.OPEN).first()
-
-
 def reviewed(task_id: int, step_id: str, text: str) -> str:
     """`text` (a tool call's result) as the model reads it when a reviewer decided the call's
     effect in doubt: "happened: …", "did not happen, re-executed: …", "skipped by reviewer: note"."""
     entry = WalEntry.objects.filter(task_id=task_id, step_id=step_id).order_by("-id").first() if step_id else None
-    decision = _review_of(entry) if entry is not None else None
+    decision = review_of(entry) if entry is not None else None
     if decision is None:
         return text
     if decision.decision == "happened":
@@ -192,3 +218,4 @@ def superseded(task_id: int, turn: int) -> bool:
                                           interrupted=False).order_by("-id").first())
     return answer is not None and AgentMessage.objects.filter(
         task_id=task_id, role=AgentMessage.Role.USER, turn__gte=turn, order__gte=USER_ORDER, id__gt=answer.id).exists()
+

@@ -4,7 +4,7 @@ the model as an error message, never a crash).
 
 Tools with a side effect run through the WAL (`ctx.effect`, with the call's idempotency
 key): `db_upsert`, `email_send`, `http_request`, `shell_run`, `memory_write`. The others only read:
-`contracts_list`, `contracts_read`, `db_query` (SELECT only, on the allowed tables, as a read-only
+`db_query` (SELECT only, on the allowed tables, as a read-only
 role: tools/dbread.py), `memory_search` (long-term memory, a store of its own, scoped to the task's
 owner: never copied into a snapshot).
 
@@ -19,31 +19,31 @@ function name.
 """
 import fnmatch
 import json
-from dataclasses import dataclass
+import re
 from typing import Any, Callable, Literal
 
 from django.conf import settings
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine.wal import EffectFailed
-from ..models import AgentMemory, Task
+from ..engine.results import result_of
+from ..models import Step, StepStatus
 from ..primitives.redaction import redact
 from ..tools.base import ToolError
 from ..tools.dbread import read_only_query
-from ..tasktypes.contract_extraction import MalformedContract, list_samples, read_contract
+from . import memory, tooldef
+from .tooldef import IDEMPOTENT, KEYED, NON_IDEMPOTENT, READ_ONLY, AgentTool, ToolCall, builtin_read
 
-RESULT_CHARACTERS = 20_000  # what a tool message carries to the model (the step keeps all of it)
+__all__ = ["AgentTool", "READ_ONLY", "IDEMPOTENT", "KEYED", "NON_IDEMPOTENT", "TOOLS", "add_source", "find_tool",
+           "known_names", "needs_approval", "call", "as_message_text", "ToolCallError"]
+
+# A page of result_read at most (the model asks for less or more, within this): below the default
+# ORCH_AGENT_RESULT_INLINE_CHARS, so a page is never itself shortened.
+READ_PAGE_CHARACTERS = 6000
+TOOL_STEP = re.compile(r"^tool-\d{1,6}-\d{1,4}$")
+# The end of a shortened result, where the model learns how to read on (history.py looks for it).
+SHORTENED_MARK = "more characters not shown: the whole result is kept"
 QUERY_ROWS = 100
-
-
-class ContractsListArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    limit: int = Field(20, ge=1, le=100, description="how many contracts to list")
-
-
-class ContractsReadArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    contract: int = Field(..., ge=1, description="the contract's number, from contracts_list")
 
 
 class DbQueryArgs(BaseModel):
@@ -58,8 +58,16 @@ class MemorySearchArgs(BaseModel):
 
 class MemoryWriteArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    key: str = Field(..., min_length=1, max_length=200, description="what the fact is about")
+    key: str = Field(..., min_length=1, max_length=150, description="what the fact is about")
     body: str = Field(..., min_length=1, max_length=20_000, description="the fact")
+
+    @field_validator("key")
+    @classmethod
+    def _stays_in_its_scope(cls, key: str) -> str:
+        # A named agent's scope is "<owner>/@<name>/": a key starting with @ would write into it.
+        if key.startswith(memory.NAMED):
+            raise ValueError(f"a key may not start with {memory.NAMED!r}")
+        return key
 
 
 class EmailSendArgs(BaseModel):
@@ -89,75 +97,59 @@ class ShellRunArgs(BaseModel):
     timeout: float = Field(60, gt=0, le=600)
 
 
-READ_ONLY, IDEMPOTENT, NON_IDEMPOTENT = "read_only", "idempotent", "non_idempotent"
-
-
-@dataclass(frozen=True)
-class AgentTool:
-    name: str
-    description: str
-    Args: type[BaseModel]
-    run: Callable[[Any, BaseModel], Any]  # (step context, validated args) -> JSON-serialisable result
-    # read_only: no WAL entry; idempotent: replay is safe; non_idempotent: needs a reviewer by
-    # default, and an unknown outcome goes to review. Missing means non_idempotent (fail closed).
-    effect: str = NON_IDEMPOTENT
-    # Reaches the worker's host or the harness's database: enabled per installation
-    # (ORCH_AGENT_HOST_TOOLS) and granted per task by an admin only.
-    reaches_host: bool = False
-
-    @property
-    def side_effect(self) -> bool:
-        return self.effect != READ_ONLY
-
-    def schema(self) -> dict:
-        """The tool as offered to the model (Chat Completions `tools` entry)."""
-        parameters = self.Args.model_json_schema()
-        parameters.pop("title", None)
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": parameters}}
-
-
-def _contracts_list(ctx, args: ContractsListArgs):
-    return {"contracts": [{"contract": i, "file": path.name}
-                          for i, path in enumerate(list_samples()[:args.limit], start=1)]}
-
-
-def _contracts_read(ctx, args: ContractsReadArgs):
-    samples = list_samples()
-    if args.contract > len(samples):
-        raise ToolCallError(f"there is no contract {args.contract}; contracts_list shows {len(samples)}")
-    path = samples[args.contract - 1]
-    try:
-        return {"contract": args.contract, "file": path.name, **read_contract(path)}
-    except MalformedContract as exc:
-        raise ToolCallError(str(exc)) from None
-
-
-def _db_query(ctx, args: DbQueryArgs):
+# The read tools are written as an extension's would be (tooldef.py, orchestrator.sdk's @tool):
+# `fn(args, call)`, run at once in the step, no WAL entry. The side-effect tools below stay
+# adapters onto the WAL tools of tools/ (email.send, http.request, ...), whose names, arguments,
+# probes and records other task types share.
+@builtin_read("db_query", description="Run one read-only SELECT on the tables it may read (at most 100 rows come "
+                                      "back).", reaches_host=True)
+def _db_query(args: DbQueryArgs, call: ToolCall):
     # Only the allowed tables, as a read-only role (PostgreSQL) or under an authorizer (SQLite).
     return read_only_query(args.sql, max_rows=QUERY_ROWS)
 
 
-def memory_scope(task_id: int) -> str:
-    """Whose memory a task reads and writes: its owner's (tasks created by the installation
-    itself, from the command line, share one scope). One owner's agents never see another's."""
-    owner = Task.objects.filter(pk=task_id).values_list("created_by_id", flat=True).first()
-    return f"owner-{owner}/" if owner else "installation/"
+class ResultReadArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ref: str = Field(..., max_length=40, description="the reference a shortened tool result gave, e.g. tool-003-1")
+    offset: int = Field(0, ge=0, description="the first character to read")
+    limit: int = Field(READ_PAGE_CHARACTERS, ge=1, le=READ_PAGE_CHARACTERS, description="how many characters")
 
 
-def _memory_search(ctx, args: MemorySearchArgs):
-    scope = memory_scope(ctx.task_id)
-    mine = AgentMemory.objects.filter(key__startswith=scope)
-    words = [w for w in args.query.split() if len(w) > 2][:5] or [args.query]
-    found = AgentMemory.objects.none()
-    for word in words:
-        found = found | mine.filter(key__icontains=word) | mine.filter(value__icontains=word)
-    return {"facts": [{"key": m.key[len(scope):], "value": m.value[:2000]} for m in found.distinct()[:20]]}
+@builtin_read("result_read", description="Read on in a tool result that was too long to show whole: give the ref it "
+                                         "ended with, and an offset.")
+def _result_read(args: ResultReadArgs, call: ToolCall):
+    # Only this task's own tool results: what its tools already returned to it, nothing more.
+    step = (Step.objects.filter(task_id=call.task_id, step_id=args.ref, status=StepStatus.DONE).first()
+            if call.task_id and TOOL_STEP.match(args.ref) else None)
+    if step is None:
+        raise ToolCallError(f"there is no tool result {args.ref!r} in this task: give the ref a shortened result "
+                            f"ended with")
+    record = result_of(step)  # the tool step's record: {"tool_call_id", "name", "ok", "result"}
+    text = message_text(record.get("result") if isinstance(record, dict) and "result" in record else record)
+    if args.offset >= len(text):
+        raise ToolCallError(f"{args.ref} has {len(text)} characters: offset {args.offset} is past its end")
+    page = text[args.offset:args.offset + args.limit]
+    end = args.offset + len(page)
+    more = f' Read on with result_read(ref="{args.ref}", offset={end}).' if end < len(text) else " That is the end."
+    return f"[{args.ref}: characters {args.offset}-{end} of {len(text)}.{more}]\n{page}"
+
+
+# Offered to an agent only once its dialog holds a shortened result (tasktypes/agent.py), and always
+# allowed: it reads nothing the task's own tools did not already return to it.
+IMPLICIT = ("result_read",)
+
+
+@builtin_read("memory_search", description="Search the long-term memory (facts kept across tasks).")
+def _memory_search(args: MemorySearchArgs, call: ToolCall):
+    scope = memory.scope_of(call.task_id)
+    return {"facts": [{"key": m.key[len(scope):], "value": m.value[:2000]}
+                      for m in memory.search(scope, args.query, 20)]}
 
 
 def _memory_write(ctx, args: MemoryWriteArgs):
-    ctx.effect("db.upsert", {"table": "agent_memory", "columns": ["key", "value", "task_id"],
-                             "rows": [[memory_scope(ctx.task_id) + args.key, args.body, ctx.task_id]]})
+    ctx.effect("db.upsert", {"table": "agent_memory", "columns": ["key", "value", "task_id", "step_id"],
+                             "rows": [[memory.scope_of(ctx.task_id) + args.key, args.body, ctx.task_id,
+                                       ctx.step_id]]})
     return {"stored": args.key}
 
 
@@ -184,14 +176,7 @@ def _shell_run(ctx, args: ShellRunArgs):
 
 
 TOOLS: dict[str, AgentTool] = {t.name: t for t in (
-    AgentTool("contracts_list", "List the contracts there are to read (number and file name).", ContractsListArgs,
-              _contracts_list, effect=READ_ONLY),
-    AgentTool("contracts_read", "Read one contract: its parties, dates (ISO) and money amounts.", ContractsReadArgs,
-              _contracts_read, effect=READ_ONLY),
-    AgentTool("db_query", "Run one read-only SELECT on the tables it may read (at most 100 rows come back).",
-              DbQueryArgs, _db_query, effect=READ_ONLY, reaches_host=True),
-    AgentTool("memory_search", "Search the long-term memory (facts kept across tasks).", MemorySearchArgs,
-              _memory_search, effect=READ_ONLY),
+    _db_query, _memory_search, _result_read,
     AgentTool("memory_write", "Store a fact in the long-term memory, under a key.", MemoryWriteArgs, _memory_write,
               effect=IDEMPOTENT),
     AgentTool("db_upsert", "Insert or update rows (by primary key) in one of the tables it may write.", DbUpsertArgs,
@@ -202,10 +187,60 @@ TOOLS: dict[str, AgentTool] = {t.name: t for t in (
               "output.", ShellRunArgs, _shell_run, reaches_host=True),
 )}
 
-# What an agent created with only a goal may call: reads that reach neither the host nor the outside.
-SAFE_DEFAULT = [name for name, t in TOOLS.items() if t.effect == READ_ONLY and not t.reaches_host]
+# Tools from elsewhere than this module (ORCH_EXTENSIONS through orchestrator.sdk, MCP servers):
+# each source answers a name with its AgentTool (or None) and lists the names it has now.
+_SOURCES: list[tuple[Callable[[str], "AgentTool | None"], Callable[[], list[str]]]] = []
+
+
+def add_source(find: Callable[[str], "AgentTool | None"], names: Callable[[], list[str]]) -> None:
+    if (find, names) not in _SOURCES:
+        _SOURCES.append((find, names))
+
+
+# Tools written with orchestrator.sdk's @tool in the modules of ORCH_EXTENSIONS; they may not take a
+# built-in's name, and a built-in is found first.
+tooldef.reserve(TOOLS)
+add_source(tooldef.find, tooldef.names)
+# The tools of the MCP servers the installation declares (agent/mcp.py adds itself as a source).
+from . import mcp as _mcp_tools  # noqa: E402,F401
+
+
+def find_tool(name: str) -> "AgentTool | None":
+    """The tool called `name`: a built-in, or one a source has now (None: no such tool)."""
+    if name in TOOLS:
+        return TOOLS[name]
+    for find, _ in _SOURCES:
+        tool = find(name)
+        if tool is not None:
+            return tool
+    return None
+
+
+def known_names() -> list[str]:
+    """Every tool name an agent may be given now (built-ins first)."""
+    found = list(TOOLS)
+    for _, names in _SOURCES:
+        found += [n for n in names() if n not in found]
+    return found
+
+
+# What an agent created with only a goal may call: reads that reach neither the host nor the outside —
+# the built-in ones, and those an extension declares granted_by_default (the demo's contracts tools).
+SAFE_DEFAULT = [name for name, t in TOOLS.items()
+                if t.effect == READ_ONLY and not t.reaches_host and name not in IMPLICIT]
+
+
+def safe_default() -> list[str]:
+    return [*tooldef.granted_by_default(), *SAFE_DEFAULT]
 HOST_TOOLS = [name for name, t in TOOLS.items() if t.reaches_host]
 SAFE_HTTP_METHODS = ("GET", "HEAD")
+
+
+def reaches_host(name: str) -> bool:
+    """Whether the tool `name` reaches the worker's host or the database (a built-in, or one a
+    source has): an admin's to grant, on an installation that enables it (ORCH_AGENT_HOST_TOOLS)."""
+    tool = find_tool(name)
+    return tool is not None and tool.reaches_host
 
 
 def email_allowed(address: str) -> bool:
@@ -219,7 +254,7 @@ def needs_approval(name: str, arguments: dict | None, *, require: list[str], wai
     """Why this call must wait for a reviewer ("" when it need not). `require`: the task's
     require_approval; `waived`: tools whose approval an admin waived for the task. An email to a
     recipient outside ORCH_AGENT_EMAIL_ALLOW needs a reviewer even then."""
-    tool = TOOLS.get(name)
+    tool = find_tool(name)
     if tool is None or arguments is None:
         return ""  # not a call that can run: its error goes back to the model
     if name in require:
@@ -246,18 +281,17 @@ def call(ctx, name: str, raw_arguments: str, allowed: list[str]) -> tuple[bool, 
     """Run the model's call `name(raw_arguments)`: (ok, result). A call the model got wrong
     (an unknown or disallowed tool, arguments that are not JSON or fail the schema, a
     refusal by the tool) is (False, "error: ...") for the model to read and correct."""
-    tool = TOOLS.get(name)
-    if tool is None or name not in allowed:
+    tool = find_tool(name) if name in allowed else None
+    if tool is None:
         return False, f"error: there is no tool {name!r}; the tools are: {', '.join(allowed)}"
     try:
         arguments = json.loads(raw_arguments or "{}")
     except ValueError as exc:
         return False, f"error: the arguments are not valid JSON ({exc}); send a JSON object"
     try:
-        args = tool.Args.model_validate(arguments)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()[:5])
-        return False, f"error: invalid arguments for {name}: {problems}"
+        args = tool.parse(arguments)
+    except tooldef.InvalidArguments as exc:
+        return False, f"error: invalid arguments for {name}: {exc}"
     try:
         return True, redact(tool.run(ctx, args))
     except (ToolCallError, ToolError) as exc:  # refused before anything was performed
@@ -268,8 +302,18 @@ def call(ctx, name: str, raw_arguments: str, allowed: list[str]) -> tuple[bool, 
         return False, redact(f"error: {exc}")
 
 
-def as_message_text(result: Any) -> str:
-    text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
-    if len(text) > RESULT_CHARACTERS:
-        text = text[:RESULT_CHARACTERS] + f"... [{len(text) - RESULT_CHARACTERS} more characters not shown]"
-    return text
+def message_text(result: Any) -> str:
+    """A tool's result as text, whole."""
+    return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+
+
+def as_message_text(result: Any, ref: str | None = None) -> str:
+    """What the model is told of a result: all of it, or past ORCH_AGENT_RESULT_INLINE_CHARS its
+    head and, for a tool step's result (`ref`, its step id), how to read on (result_read)."""
+    text, inline = message_text(result), settings.ORCH_AGENT_RESULT_INLINE_CHARS
+    if len(text) <= inline:
+        return text
+    if ref is None:
+        return text[:inline] + f"... [{len(text) - inline} more characters not shown]"
+    return (text[:inline] + f"\n[... {len(text) - inline} {SHORTENED_MARK}: read on with "
+                            f'result_read(ref="{ref}", offset={inline}).]')

@@ -115,6 +115,8 @@ def install(api: NinjaAPI) -> None:
         response["Retry-After"] = str(RETRY_AFTER_SECONDS)
         return response
 
-    @api.exception_handler(review_services.ReviewClosed)
-    def on_review_closed(request, exc):
-        return api.create_response(request, {"detail": str(exc), "errors": []}, status=409)
+    @api.exception_handler(review_services.DecisionRefused)
+    def on_decision_refused(request, exc):
+        # Closed already (who and when), the same reviewer twice, changed arguments (409), or
+        # not this reviewer's to decide (403).
+        return api.create_response(request, {"detail": str(exc), "errors": []}, status=exc.status)

@@ -8,10 +8,16 @@ serialised it and before it is written, so no endpoint can forget it. Every role
 same redacted answer."""
 from ninja.renderers import JSONRenderer
 
-from ..engine import actions as task_actions
+from ..engine import actions as task_actions, llm_ledger
+from ..engine.approvals import arguments_digest
 from ..models import Task
+from ..presenters.task_page import with_unreviewed_effects
+from ..presenters.waits import with_review_waits
 from ..primitives.redaction import redact
-from .schemas import AuditOut, ReviewOut, StepOut, TaskOut, TaskSummaryOut, TaskTypeOut, WorkerOut
+from .schemas import (ApprovalOut, ApprovalVoteOut, AuditOut, ReviewOut, ReviewWaitOut, StepOut, TaskOut,
+                      TaskSummaryOut, TaskTypeOut, WorkerOut)
+from review import approvals as review_approvals
+from review.models import ReviewKind
 
 
 class RedactingRenderer(JSONRenderer):
@@ -41,19 +47,25 @@ def task_out(task: Task, user=None) -> dict:
                      result_stored_apart=s.result_stored_apart, result_bytes=s.result_bytes)
              for s in task.steps.all()]
     running = task.status in ("running", "pausing", "stopping") and task.lease_owner
+    with_review_waits(with_unreviewed_effects([task]))
     return TaskOut(
         id=task.pk, type=task.type, title=task.title, status=task.status, status_reason=task.status_reason,
         steps_done=task.steps_done, steps_total=task.steps_total, progress_percent=task.progress_percent,
         created_at=task.created_at, updated_at=task.updated_at, params=task.params, limits=task.limits,
         counters={"steps_done": task.steps_done, "steps_total": task.steps_total, "tokens_used": task.tokens_used,
-                  "active_seconds": round(task.active_seconds, 3), "recovery_attempts": task.recovery_attempts},
+                  "active_seconds": round(task.active_seconds, 3), "recovery_attempts": task.recovery_attempts,
+                  # The ledger of model calls summed (every attempt; the export has the rows).
+                  "model_usage": llm_ledger.totals(task.pk)},
         checkpoint_version=task.checkpoint_version, event_seq=task.event_seq, heartbeat_at=task.heartbeat_at,
         worker=WorkerOut(host=task.worker_host, pid=task.worker_pid) if running else None, error=task.error,
         started_at=task.started_at, finished_at=task.finished_at, control=task.control,
         control_requested_at=task.control_requested_at, control_acknowledged_at=task.control_acknowledged_at,
         activities=task.activities, paused_by_limit=task.paused_by_limit,
         actions=task_actions.as_list(task_actions.available(task, user)), stack=task.stack or [],
-        waiting_for=task.waiting_for or [], steps=steps)
+        waiting_for=task.waiting_for or [], unreviewed_effects=task.unreviewed_effects,
+        review_waits=[ReviewWaitOut(kind=w.kind, count=w.count, since=w.since, waiting_seconds=round(w.seconds, 1))
+                      for w in task.review_waits],
+        steps=steps)
 
 
 def audit_out(a) -> AuditOut:
@@ -71,4 +83,15 @@ def review_out(item) -> ReviewOut:
         idempotency_key=entry.idempotency_key if entry else "",
         intent_written_at=entry.created_at if entry else None, wal_status=entry.status if entry else "",
         proposal=item.proposal, evidence=item.evidence, decision=item.decision, decision_result=item.decision_result,
-        note=item.note, decided_by=item.decided_by.username if item.decided_by else None, decided_at=item.decided_at)
+        note=item.note, decided_by=item.decided_by.username if item.decided_by else None, decided_at=item.decided_at,
+        approval=approval_out(item) if item.kind == ReviewKind.APPROVAL else None)
+
+
+def approval_out(item) -> ApprovalOut:
+    standing = review_approvals.standing_arguments(item)
+    return ApprovalOut(
+        arguments=standing, arguments_sha256=arguments_digest(standing), expires_at=item.expires_at,
+        on_expiry=item.on_expiry, escalate_to=item.escalate_to, expired_at=item.expired_at,
+        escalated_at=item.escalated_at, approvals_required=item.approvals_required,
+        approvals=[ApprovalVoteOut(reviewer=v.reviewer_name, decision=v.decision, arguments_sha256=v.arguments_sha256,
+                                   at=v.at) for v in item.votes.all()])

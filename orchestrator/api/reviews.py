@@ -32,12 +32,17 @@ def review_detail(request, review_id: int = id_param("a review item id")):
 
 @router.post("/reviews/{review_id}/decide", response=responses({200: ReviewOut}, FOUND, BODY, {409: ErrorOut}))
 def decide_review(request, body: DecideIn, review_id: int = id_param("a review item id")):
-    """Decide an open item: `happened` (optionally with `result`), `not_happened`
-    (performed again with the same key), `skip`, or `abort_task`; `note` is required."""
+    """Decide an open item. An effect in doubt: `happened` (optionally with `result`),
+    `not_happened` (performed again with the same key), `skip`, or `abort_task`; `note` is
+    required. An approval: `approve`, `edit_approve` (`result`: the corrected arguments, checked
+    by the tool's argument model) or `reject` (`note` required: the model reads it); send
+    `arguments_sha256` (the item's `approval.arguments_sha256`) to be refused if they changed.
+    409: the item was decided, expired or revoked already (who and when), or you approved these
+    arguments already (two-person approval); 403: escalated to a group you are not in."""
     require(request, roles.REVIEWER)
     get_review(review_id)
     review_services.review_decide(item_id=review_id, decision=body.decision, note=body.note, result=body.result,
-                                  actor=request.auth, ip=client_ip(request))
+                                  actor=request.auth, ip=client_ip(request), arguments_sha256=body.arguments_sha256)
     return review_out(get_review(review_id))
 
 

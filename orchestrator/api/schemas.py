@@ -92,6 +92,13 @@ class ActionOut(Schema):
     reason: str = Field(..., description="why not (empty when allowed)")
 
 
+class ReviewWaitOut(Schema):
+    kind: str = Field(..., description="approval, or effect (a side effect whose outcome is unknown)")
+    count: int = Field(..., description="how many items of this kind are open")
+    since: datetime = Field(..., description="when the oldest of them was opened")
+    waiting_seconds: float = Field(..., description="how long the oldest has waited, now")
+
+
 class TaskOut(TaskSummaryOut):
     params: dict
     limits: dict
@@ -112,6 +119,10 @@ class TaskOut(TaskSummaryOut):
     stack: list[dict] = Field(..., description="the task stack, bottom first: a frame per urgent subtask (a preempt "
                                               "event) that suspended the work below it")
     waiting_for: list[dict] = Field(..., description="while waiting: the steps waiting for an event, and until when")
+    unreviewed_effects: int = Field(0, description="side effects whose outcome is unknown that no reviewer has "
+                                                   "decided yet (whatever the task's status)")
+    review_waits: list[ReviewWaitOut] = Field(default_factory=list, description="the task's open review items per "
+                                              "kind (approvals first): how many, and how long the oldest has waited")
     steps: list[StepOut]
 
 
@@ -212,6 +223,27 @@ class RollbackIn(Schema):
         "preview's `must_confirm`); without them the rollback is refused (409)."))
 
 
+class ApprovalVoteOut(Schema):
+    reviewer: str
+    decision: str
+    arguments_sha256: str
+    at: datetime
+
+
+class ApprovalOut(Schema):
+    """An approval's state beyond its decision (review/approvals.py)."""
+    arguments: Any = Field(None, description="the arguments an approval runs with now (a first reviewer's edit, "
+                                             "under two-person approval)")
+    arguments_sha256: str = Field(..., description="their SHA-256: send it back as `arguments_sha256` to decide")
+    expires_at: datetime | None = Field(None, description="the deadline (open items)")
+    on_expiry: str = Field("", description="reject, keep_waiting or escalate")
+    escalate_to: str = ""
+    expired_at: datetime | None = None
+    escalated_at: datetime | None = None
+    approvals_required: int = 1
+    approvals: list[ApprovalVoteOut] = Field(default_factory=list, description="two-person approval: the votes so far")
+
+
 class ReviewOut(Schema):
     id: int
     kind: str = Field(..., description="effect (a side effect in doubt, with its WAL entry) or approval (a tool "
@@ -236,6 +268,7 @@ class ReviewOut(Schema):
     note: str
     decided_by: str | None
     decided_at: datetime | None
+    approval: ApprovalOut | None = Field(None, description="approvals: the deadline, its fallback, the reviewers")
 
 
 class DecideIn(Schema):
@@ -243,3 +276,6 @@ class DecideIn(Schema):
                           description="; ".join(f"`{v}`: {label}" for v, label in Decision.choices))
     note: str = ""
     result: Any = None
+    arguments_sha256: str = Field("", max_length=64, description="approval: the SHA-256 of the arguments you were "
+                                                                 "shown (the item's `approval.arguments_sha256`); 409 "
+                                                                 "if they changed since")

@@ -9,6 +9,7 @@ controls without rules of its own.
 the operator role.
 """
 from dataclasses import asdict, dataclass
+from decimal import Decimal
 
 from .. import roles
 from ..conf import harness
@@ -68,7 +69,13 @@ def limit_has_room(task: Task, limits: dict | None = None) -> bool:
     if not limit:
         return True
     value = (task.limits if limits is None else limits).get(limit)
-    if value is None or limit not in LIMIT_USAGE:
+    if value is None:
+        return True
+    if limit == "max_cost":  # money is summed from the ledger of model calls, not a counter
+        from .llm_ledger import cost_used
+
+        return cost_used(task.pk) < Decimal(str(value))
+    if limit not in LIMIT_USAGE:
         return True
     return getattr(task, LIMIT_USAGE[limit]) < value
 

@@ -26,9 +26,10 @@ from .lease import lock_fenced
 class LimitExceeded(Exception):
     """A task limit ran out inside a step: the task pauses with this reason, keeping its work."""
 
-    def __init__(self, limit: str):
-        super().__init__(f"limit: {limit}")
-        self.limit = limit
+    def __init__(self, limit: str, detail: str = ""):
+        # `detail` says why, for the operator (the task's status_reason: "limit: L (detail)").
+        super().__init__(f"limit: {limit}" + (f" ({detail})" if detail else ""))
+        self.limit, self.detail = limit, detail
 
 
 class StepTimedOut(TimeoutError):
@@ -170,14 +171,18 @@ class StepContext:
         raise WaitForEvent(event_type, until, match)
 
     def request_approval(self, tool: str, arguments: dict, *, context: str = "", call_id: str = "",
-                         reason: str = "") -> dict:
+                         reason: str = "", policy: "approvals.Policy | None" = None) -> dict:
         """Have a reviewer approve `tool(arguments)` before it runs: opens an approval item in
         the review queue (once per call and arguments) and waits for *its* decision — the task
         waits holding no worker (like wait_for). Returns the decision: {"approved", "note",
-        "arguments", "approval_id"}: `arguments` are what the call may run with (the reviewer's
-        corrected ones for edit-and-approve), checked against the digest the reviewer approved."""
+        "arguments", "approval_id", "expired"}: `arguments` are what the call may run with (the
+        reviewer's corrected ones for edit-and-approve), checked against the digest the reviewer
+        approved; `expired`: nobody decided before the deadline (`policy`, approvals.Policy) and
+        its fallback was to give up. The deadline is the review queue's (the sweeper expires it),
+        not this wait's: the wait ends with the expiry's event like with a decision."""
         approval_id = approvals.request(task_id=self.task_id, step_id=self.step_id, tool=tool, arguments=arguments,
-                                        context=context, call_id=call_id, reason=reason)
+                                        context=context, call_id=call_id, reason=reason, generation=self.generation,
+                                        policy=policy)
         decision = self.wait_for("approval.decided", match={"approval_id": str(approval_id)})
         return approvals.bound(decision, approval_id=approval_id, call_id=call_id, arguments=arguments)
 

@@ -22,6 +22,7 @@ from .. import tasktypes, telemetry
 from ..conf import harness
 from ..outage import DATABASE_DOWN, OutageWatch
 from ..models import Task, TaskStatus as S
+from ..tools import mcp
 from . import processes, states
 from .lease import Lease, LeaseLost, lock_fenced
 from .recovery import in_doubt_note, recover_task, settle_pending_wal
@@ -40,6 +41,7 @@ def run_isolated(lease: Lease) -> str:
     # executor importing them itself made a new slice (a recovered task's first, too) wait
     # 0.4 s on a quiet machine and over 1 s on a busy one before its first step (bench/hosts.py).
     tasktypes.all_types()
+    mcp.preload()  # the MCP SDK too, when servers are declared (a second or more to import)
     connections.close_all()  # a forked child must not share the parent's sockets
     pid = os.fork()
     if pid == 0:  # the executor
@@ -55,6 +57,7 @@ def run_isolated(lease: Lease) -> str:
             code = 1
         finally:
             try:
+                mcp.close_all()  # its MCP servers exit now rather than be killed as leftovers
                 connections.close_all()
                 telemetry.flush()  # os._exit skips the exporter's atexit hook
             finally:

@@ -80,6 +80,7 @@ class ApprovalDecided(BaseModel):
                                   description="SHA-256 of the canonical arguments the call may run with")
     note: str = Field("", max_length=2000)
     arguments: dict | None = Field(None, description="edit-and-approve: the corrected arguments the call runs with")
+    expired: bool = Field(False, description="nobody decided before the approval's deadline (not a rejection)")
 
 
 class UpstreamReady(BaseModel):

@@ -26,7 +26,7 @@ from .. import telemetry
 from ..conf import harness
 from ..outage import DATABASE_DOWN, OutageWatch
 from ..models import IdempotencyRecord, Task, TaskStatus as S, WalEntry, WalStatus
-from . import retention, scheduler, states, wal
+from . import approvals, retention, scheduler, states, stranded, wal
 from .events import append_event
 from ..tasktypes import get_type
 
@@ -63,6 +63,7 @@ def sweep(requeue_budget: float | None = None, requeue: bool = True) -> list[int
             recovered.append(task_id)
     give_up_slow_recoveries()
     wake_expired_waits()
+    approvals.expire_due()
     if requeue:
         requeue_unclaimed(budget=requeue_budget)
     return recovered
@@ -132,25 +133,32 @@ def requeue_unclaimed(now=None, budget: float | None = None) -> list[int]:
     stranded task is re-sent within ceil(stranded / re-sends per pass) passes, whatever the
     backlog. (It used to take the 500 newest by id: under a backlog the same new tasks were
     re-sent pass after pass, and an old task whose message a dead host had taken was never
-    re-sent.) A re-sent message still joins the back of the broker's queue: under a backlog, a
-    dead host's prefetched tasks then wait for every message ahead of them (bench/hosts.py
-    counts them); making them go first needs telling a lost message from one that waits in a
-    live cluster, which nothing here does yet."""
+    re-sent.) A re-sent message joins the back of the broker's queue, where a task whose message
+    was merely waiting loses nothing. But a task whose message a cluster took and never ran (a
+    dead host's prefetch) would wait behind a whole backlog: those are told apart by one look
+    at the broker per pass (stranded.py) and go first: re-sent ahead of every message waiting
+    (scheduler.send_first)."""
     now = now or timezone.now()
     stop_at = time.monotonic() + budget if budget is not None else None
     cutoff = now - timedelta(seconds=harness.requeue_after_seconds)
     sent = []
+    view = None
     for task_id, enqueued_at, checkpoint_version, event_seq, attempts, epoch in _oldest_unclaimed(cutoff):
         if stop_at is not None and time.monotonic() > stop_at:
             break
+        if view is None:
+            view = stranded.look() or False  # once per pass, and only when there is something to re-send
+        first = bool(view) and view.stranded(task_id, enqueued_at)
         # Compare-and-set: of several sweepers, one re-sends it.
         if Task.objects.filter(pk=task_id, status__in=WAITING, lease_owner="", enqueued_at=enqueued_at).update(
                 enqueued_at=now):
-            scheduler.send(task_id)
+            (scheduler.send_first if first else scheduler.send)(task_id)
             sent.append(task_id)
-            log.info("queued task not claimed: re-sent to the broker",
+            log.info("queued task not claimed: re-sent to the broker"
+                     + (" first: its message was taken by a worker cluster and never run" if first else ""),
                      extra={"task_id": task_id, "checkpoint_version": checkpoint_version, "event_id": event_seq,
-                            "recovery_attempt": attempts, "lease_epoch": epoch, "resume_strategy": "requeue_unclaimed",
+                            "recovery_attempt": attempts, "lease_epoch": epoch,
+                            "resume_strategy": "requeue_stranded" if first else "requeue_unclaimed",
                             "waited_seconds": round((now - enqueued_at).total_seconds(), 1) if enqueued_at else None})
     return sent
 
@@ -211,8 +219,8 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attemp
         extra = {"task_id": task.pk, "checkpoint_version": task.checkpoint_version, "event_id": task.event_seq,
                  "recovery_attempt": attempt, "lease_epoch": task.lease_epoch}
         if attempt > harness.max_recovery_attempts:
-            states.transition(task, S.NEEDS_HUMAN, reason=f"recovery attempts exhausted ({attempt - 1})",
-                              action="recovery", lease_owner="")
+            states.transition(task, S.NEEDS_HUMAN, action="recovery", lease_owner="",
+                              reason=f"recovery attempts exhausted ({attempt - 1}); last cause: {cause}")
             log.warning("recovery: needs a human", extra={**extra, "event_id": task.event_seq,
                                                           "resume_strategy": "needs_human"})
             return True

@@ -21,6 +21,14 @@ records when a rule was applied to it. A window of 0 turns its rule off.
    back), and every key is its task's own (`t<task>:<step>:<n>`), so after it finished nothing
    can ask for them. The window is for people: an auditor or a support engineer who wants the
    exact effects of a recent task (the task's export, taken before, has them all).
+4. ORCH_RETAIN_NOTIFICATIONS_DAYS (30): webhook deliveries that are over (delivered, or given
+   up after their last attempt) go this long after they were queued, at most DELETE_CHUNK per
+   run (notifications.outbox.prune); a pending delivery is never touched. Without it, every
+   approval and every task needing a human added rows forever.
+5. ORCH_RETAIN_WEBHOOK_REJECTIONS_DAYS (30): rows of rejected incoming webhook requests
+   (WebhookRejection, one per source, reason and address, counting repeats) go this long after
+   their last repeat (engine/webhooks.prune_rejections); each one's first occurrence is an audit
+   entry, which stays.
 The audit log (AuditEntry) is never pruned.
 """
 import logging
@@ -32,7 +40,8 @@ from django.utils import timezone
 
 from ..conf import harness
 from ..models import IdempotencyRecord, RetentionRun, Task, TaskEvent, WalEntry
-from . import states
+from ..notifications import outbox
+from . import states, webhooks
 from .events import append_event
 
 log = logging.getLogger(__name__)
@@ -59,15 +68,23 @@ def run(now=None) -> RetentionRun:
             record.wal_deleted += wal
             record.idempotency_deleted += keys
             touched.add(task_id)
+        if rules["notifications_days"]:
+            record.notifications_deleted = outbox.prune(now - timedelta(days=rules["notifications_days"]),
+                                                        limit=DELETE_CHUNK)
+        if rules["webhook_rejections_days"]:
+            record.webhook_rejections_deleted = webhooks.prune_rejections(
+                now - timedelta(days=rules["webhook_rejections_days"]), limit=DELETE_CHUNK)
     except Exception as exc:  # recorded, and the next run goes on from where this one stopped
         record.error = f"{type(exc).__name__}: {exc}"[:2000]
         log.exception("retention run failed")
     record.tasks, record.finished_at = len(touched), timezone.now()
     record.save()
-    if touched:
+    if touched or record.notifications_deleted or record.webhook_rejections_deleted:
         log.info("retention: %d task(s) pruned", len(touched),
                  extra={"stream_events": record.stream_events_deleted, "events": record.events_deleted,
-                        "wal": record.wal_deleted, "idempotency": record.idempotency_deleted})
+                        "wal": record.wal_deleted, "idempotency": record.idempotency_deleted,
+                        "webhook_deliveries": record.notifications_deleted,
+                        "webhook_rejections": record.webhook_rejections_deleted})
     return record
 
 

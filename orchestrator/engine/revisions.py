@@ -24,7 +24,7 @@ from ..models import InboundEvent, Step, StepStatus, Task, TaskStatus as S, WalE
 from ..tasktypes import get_type
 from ..tasktypes.base import StepSpec
 from ..tools.base import ToolError, get_tool
-from . import actions, inbox, scheduler, snapshots, states
+from . import actions, approvals, inbox, scheduler, snapshots, states
 from .checkpoint import snapshot_now, step_row
 from .events import append_event
 from .inbox import INBOX_ADDER
@@ -273,6 +273,9 @@ def _rewrite_plan(task: Task, specs, *, keep: set[str]) -> None:
     task.checkpoint_version += 1
     task.save()
     snapshot_now(task)
+    # A step reset or dropped will not take an open approval's decision: revoked.
+    approvals.revoke(task_id=task.pk, reason="the step that asked was reset or removed by an edit or a rollback",
+                     stale_steps_only=True)
 
 
 # --- rollback ---------------------------------------------------------------------------------
@@ -329,12 +332,13 @@ def apply_rollback(*, task_id: int, version: int, expected_version: int | None,
             steps, set(preview.kept), events_consumed_by(task, version))
         task.stack = kept_stack(state.get("stack") or [], {spec.id for spec in specs})
         _rewrite_plan(task, specs, keep=set(preview.kept))
+        undone = task_type.on_rollback(task, set(preview.kept))
         append_event(task, "rolled_back", {"to_version": version, "rerun": preview.rerun[:200],
-                                           "effects_after": len(preview.effects_after)})
+                                           "effects_after": len(preview.effects_after), **undone})
         states.transition(task, S.QUEUED, reason=f"rolled back to v{version}; resuming", actor=actor, ip=ip,
                           extra={"to_version": version})
         audit(action="task.rollback", actor=actor, ip=ip, task=task, before=before,
-              after={"to_version": version, "params": task.params, "preview": preview.as_dict()})
+              after={"to_version": version, "params": task.params, "preview": preview.as_dict(), **undone})
         inbox.record_control(task, "rollback", actor=actor, payload={
             "to_version": version, "rerun": preview.rerun[:200], "effects_after": len(preview.effects_after)})
         inbox.settle_control(task, "rollback", f"applied: rolled back to v{version}; {len(preview.rerun)} finished "

@@ -103,6 +103,7 @@ class Supervisor(threading.Thread):
         lease = self.runner.lease
         database = OutageWatch(log, f"supervisor of task {lease.task_id}")
         next_beat = time.monotonic() + harness.heartbeat_seconds
+        threading.Thread(target=self.step_clock, name=f"step-clock-task-{lease.task_id}", daemon=True).start()
         try:
             while not self._stopped.wait(harness.control_poll_seconds):
                 try:
@@ -123,11 +124,6 @@ class Supervisor(threading.Thread):
                         self.runner.inbox_signal = row["inbox_seq"]  # the runner consumes at its next resume point
                         if inbox.preempt_pending(lease.task_id):
                             self.runner.request_preempt()
-                    try:
-                        self.runner.supervise_steps()
-                    except Exception:  # a fault in the in-step checks must not stop the heartbeat
-                        log.exception("supervisor: checking the running steps failed",
-                                      extra={"task_id": lease.task_id})
                     if self.runner.control:
                         self.publish_activities()
                     if time.monotonic() >= next_beat:
@@ -149,6 +145,18 @@ class Supervisor(threading.Thread):
                     database.succeeded(task_id=lease.task_id)
         finally:
             connection.close()
+
+    def step_clock(self) -> None:
+        """Step timeouts, limits inside steps and a Pause's grace (Runner.supervise_steps), on a
+        thread of their own: they need no database, and the poll above waits on it — with the
+        database down or hanging, a step ran past its timeout until it was back (found by the
+        soak: a POST held 6 s by its upstream, its step's 3 s timeout never cut it)."""
+        while not self._stopped.wait(harness.control_poll_seconds):
+            try:
+                self.runner.supervise_steps()
+            except Exception:  # a fault in the in-step checks must not stop the clock
+                log.exception("supervisor: checking the running steps failed",
+                              extra={"task_id": self.runner.lease.task_id})
 
     def activities_changed(self) -> list[dict] | None:
         """What runs now, if it changed since the last heartbeat (None: unchanged)."""
@@ -208,6 +216,7 @@ class Runner:
         self.control_seen_at = 0.0
         self.escalated = False
         self.limit_hit = ""
+        self.limit_detail = ""  # a step's LimitExceeded.detail: said in the pause's reason
         # Set by the supervisor while recovered tasks wait for a slot (leases.should_yield_to_recovered).
         self.yield_slot = False
         self._subtasks_lock = threading.Lock()
@@ -662,7 +671,7 @@ class Runner:
             return
         except LimitExceeded as exc:
             # Not the step's fault: it runs again after the limit is raised and the task resumed.
-            self.limit_hit = exc.limit
+            self.limit_hit, self.limit_detail = exc.limit, exc.detail
             if ctx.completed_effects:
                 self.record_failure(flight, str(exc), retrying=True)
             return
@@ -898,7 +907,8 @@ class Runner:
             return S.PAUSED
         limit = self.limit_reached()
         if limit:
-            states.transition(task, S.PAUSED, reason=f"limit: {limit}", paused_by_limit=limit, **released)
+            detail = f" ({self.limit_detail})" if self.limit_detail and limit == self.limit_hit else ""
+            states.transition(task, S.PAUSED, reason=f"limit: {limit}{detail}", paused_by_limit=limit, **released)
             return S.PAUSED
         if (self.parked and not self.plan.has_ready() and not self.waiting_for_retry()
                 and not any(inbox.awaited_arrived(task.pk, w["type"], match=w.get("match"))

@@ -48,10 +48,49 @@ except ImportError:  # pragma: no cover - redis is a dependency
 def send(task_id: int) -> bool:
     """Hand the task to the broker; False (and a warning) when the broker is unreachable —
     the task is not lost: the sweeper re-sends it after ORCH_REQUEUE_AFTER_SECONDS."""
+    return _send(task_id, name=f"task-{task_id}")
+
+
+# The name of a message put at the front of the Redis list (send_first): out of FIFO order, so
+# a look for the oldest message waiting skips it (stranded.py).
+FIRST_PREFIX = "first-"
+
+
+class _First:
+    """A broker whose enqueue puts the message ahead of every other: Redis, at the front of its
+    list (LPUSH); the ordered ORM broker, with an id below the smallest (brokers.OrderedORM)."""
+
+    def __init__(self, broker):
+        self.broker, self.list_key = broker, broker.list_key
+
+    def enqueue(self, package):
+        from .brokers import OrderedORM
+
+        if isinstance(self.broker, OrderedORM):
+            return self.broker.enqueue_first(package)
+        return self.broker.connection.lpush(self.list_key, package)
+
+
+def send_first(task_id: int) -> bool:
+    """Hand the task to the broker ahead of every message waiting there (Redis; the ordered ORM
+    broker); another broker gets it as from `send`. For a task whose message was lost in a dead
+    host's prefetch (recovery.requeue_unclaimed)."""
+    from django_q.brokers import get_broker
+    from django_q.brokers.redis_broker import Redis
+
+    from .brokers import OrderedORM
+
+    broker = get_broker()
+    if not isinstance(broker, (Redis, OrderedORM)):
+        return send(task_id)
+    return _send(task_id, name=f"{FIRST_PREFIX}task-{task_id}", broker=_First(broker))
+
+
+def _send(task_id: int, *, name: str, **options) -> bool:
     from django_q.tasks import async_task
 
     try:
-        async_task(DRIVE, task_id, task_name=f"task-{task_id}", group="orchestrator")
+        async_task(DRIVE, task_id, task_name=name, group="orchestrator", **options)
     except BROKER_DOWN as exc:
         log.warning("broker unreachable: the sweeper will hand the task over again (%s)", exc,
                     extra={"task_id": task_id})

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..conf import harness
 from ..models import Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
-from . import actions, inbox, recovery, scheduler, states
+from . import actions, approvals, inbox, recovery, scheduler, states
 from .audit import audit
 from .events import append_event
 from .checkpoint import plan_from, plan_rows, skip_steps
@@ -29,6 +29,8 @@ class Limits(BaseModel):
     max_tokens: int | None = Field(None, ge=0)
     max_seconds: float | None = Field(None, gt=0)
     max_subtasks: int | None = Field(None, ge=1, le=64)
+    # Money, at the model profiles' prices: what the task's model calls may cost (engine/llm_ledger.py).
+    max_cost: float | None = Field(None, ge=0, le=1e9)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -213,6 +215,9 @@ def task_skip_step(*, task_id: int, step_id: str, reason: str, actor=None, ip=No
         if step.error:
             why += f" (last error: {step.error.splitlines()[0][:300]})"
         skipped = skip_steps(task, plan, step_id, why, by="operator")
+        # A skipped step never takes a decision: its open approvals are closed, not left to a reviewer.
+        approvals.revoke(task_id=task.pk, reason=f"step {step_id} was skipped by an operator: {reason.strip()[:300]}",
+                         steps=skipped, actor=actor)
         audit(action="task.skip_step", actor=actor, ip=ip, task=task, reason=reason.strip(),
               before={"status": task.status, "step": step_id, "step_status": step.status},
               after={"skipped": skipped})

@@ -8,6 +8,7 @@ from django.utils import timezone
 
 from ..models import AuditEntry, InboundEvent, InboundState, Task, TaskStatus as S
 from ..notifications import notify_needs_human
+from . import approvals
 from .events import append_event
 
 TERMINAL = frozenset({S.COMPLETED, S.FAILED, S.STOPPED, S.TERMINATED})
@@ -81,9 +82,13 @@ def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | N
         setattr(task, name, value)
     task.save()
     append_event(task, "status", {"from": before, "to": to, "reason": task.status_reason, **(extra or {})})
+    if to in TERMINAL:
+        # An approval still open can never run now: revoked, so nobody decides it for nothing.
+        approvals.revoke(task_id=task.pk, reason=f"the task {to}" + (f": {reason}" if reason else ""), actor=actor)
     if to == S.NEEDS_HUMAN:
-        task_id = task.pk
-        transaction.on_commit(lambda: notify_needs_human(task_id))
+        # In this transaction: the webhook deliveries are committed with the transition (the
+        # email goes after the commit).
+        notify_needs_human(task.pk, task.status_reason)
     AuditEntry.objects.create(
         actor=actor if actor is not None and getattr(actor, "is_authenticated", False) else None,
         actor_name=getattr(actor, "username", "") or "system",

@@ -93,6 +93,15 @@ def idempotency_key(task_id: int, step_id: str, call_index: int, generation: int
     return f"t{task_id}:{step}:{call_index}"
 
 
+def key_parts(key: str) -> tuple[int | None, str | None, int | None]:
+    """(task id, step id, call index) of a key made by idempotency_key; Nones for any other."""
+    task, _, rest = key.partition(":")
+    step, _, index = rest.rpartition(":")
+    if not (task.startswith("t") and task[1:].isdigit() and step and index.isdigit()):
+        return None, None, None
+    return int(task[1:]), step.rsplit("@", 1)[0], int(index)
+
+
 def by_key(queryset):
     """The row a unique key selects, without the model's default ordering: `.first()` would
     add ORDER BY task, id, and PostgreSQL may then walk that index instead of the key's."""
@@ -157,7 +166,12 @@ def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args
             f"{tool_name} raised an unexpected {type(exc).__name__}: {exc}; whether it took effect is unknown",
             evidence={"error": f"{type(exc).__name__}: {exc}"})
         if entry.idempotent:
-            mark_failed(entry.pk, unknown)  # a replay with the same key cannot duplicate it
+            # A replay with the same key cannot duplicate it: the step retries. The entry stays
+            # `pending`, not `failed` (= did not happen): if the task ends before a replay
+            # settles it (Stop, Force-terminate, a failure policy), whoever ends it treats it
+            # as any effect in doubt on an ended task: its probe, else a reviewer (found by
+            # the soak: keyed POSTs cut by Stop were left "did not happen" with nobody asked).
+            mark_unknown(entry.pk, unknown)
             raise EffectFailed(entry.pk, unknown) from exc
         mark_unknown(entry.pk, unknown)
         # Ask the other side before anyone else is asked (outside any transaction: the probe is I/O).

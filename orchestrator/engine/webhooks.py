@@ -105,6 +105,14 @@ def _record_rejection(*, source: WebhookSource | None, asked_for: str, why: str,
               after={"source": asked_for[:60], "webhook_id": latest["last_webhook_id"], "rejection_id": row.pk})
 
 
+def prune_rejections(last_seen_before, *, limit: int) -> int:
+    """Delete up to `limit` rejection rows not seen again since `last_seen_before`, oldest first
+    (retention's rule 5). Each one's first occurrence stays in the audit log."""
+    ids = list(WebhookRejection.objects.filter(last_at__lt=last_seen_before).order_by("last_at")
+               .values_list("pk", flat=True)[:limit])
+    return WebhookRejection.objects.filter(pk__in=ids).delete()[0] if ids else 0
+
+
 def _signed_by(source: WebhookSource, body: bytes, headers: dict) -> bool:
     for secret in source.secrets:
         try:

@@ -10,6 +10,7 @@ from .client import (
     LLMBadResponse,
     LLMCancelled,
     LLMClient,
+    LLMContextExceeded,
     LLMError,
     LLMRequestRejected,
     LLMStreamCut,
@@ -24,7 +25,7 @@ from .client import (
 )
 
 __all__ = [
-    "Completion", "LLMBadResponse", "LLMCancelled", "LLMClient", "LLMError", "LLMRequestRejected",
+    "Completion", "LLMBadResponse", "LLMCancelled", "LLMClient", "LLMContextExceeded", "LLMError", "LLMRequestRejected",
     "LLMStreamCut", "LLMUnavailable", "RetryPolicy", "ToolCall", "Usage", "chat", "client_from_settings",
     "function_tool", "tool_result_message",
 ]

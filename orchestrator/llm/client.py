@@ -8,9 +8,14 @@
         history.append(tool_result_message(call.id, run(call)))
 
 What this layer adds to `openai.OpenAI`:
-- it always streams (`stream_options.include_usage`) and assembles the content and the
+- it always streams (with `stream_options.include_usage`, unless the server is one that
+  refuses it: `include_usage=False`) and assembles the content, the reasoning and the
   tool-call fragments (keyed by `index`) into one `Completion`; when the server sends no
   usage, the usage is estimated (characters / 4) and flagged `estimated=True`;
+- reasoning deltas (`reasoning_content`, as llama.cpp and DeepSeek send them, or `reasoning`,
+  as vLLM >= 0.16 and Ollama do) are kept apart from the content (`Completion.reasoning`,
+  `on_reasoning`), never mixed into the answer; the history sends them back only when asked
+  (`assistant_message(include_reasoning=True)`), as servers differ in accepting them;
 - `max_completion_tokens` is sent; a server that rejects it (HTTP 400 naming the parameter)
   gets `max_tokens` instead, once, and is remembered as such per base URL;
 - its own retry policy (`RetryPolicy`: 429/5xx/unreachable, honouring `Retry-After`, bounded
@@ -98,6 +103,18 @@ class Usage:
     # True when the server sent no usage (an interrupted stream, or a server that does not
     # report it) and these numbers are characters / 4.
     estimated: bool = False
+    # Of prompt_tokens, those the server served from its prompt cache (usage.prompt_tokens_details).
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class FailedAttempt:
+    """One attempt of a call that failed (and was retried, or was the last): what the server
+    said, and the prompt tokens it read (estimated; 0 when it refused unread: 429, 503, no
+    connection)."""
+    reason: str
+    status_code: int | None
+    prompt_tokens: int
 
 
 @dataclass
@@ -116,16 +133,23 @@ class Completion:
     # Prompt tokens (estimated) of the earlier attempts of this call that the server took in
     # before failing (see _Retry.spent): a budget counts every attempt, not only the last.
     retry_tokens: int = 0
+    # Each earlier attempt of this call that failed and was retried, as the ledger records it.
+    failed_attempts: list["FailedAttempt"] = field(default_factory=list)
+    # The model's reasoning (reasoning_content / reasoning deltas), apart from `content`.
+    reasoning: str = ""
 
     @property
     def partial(self) -> bool:
         return self.stream_cut or self.cancelled
 
-    def assistant_message(self) -> dict:
+    def assistant_message(self, *, include_reasoning: bool = False) -> dict:
         """The assistant message to append to the history (wire format). Every tool call in
         it must be answered by one `tool` message (`tool_result_message`) before the next
-        call, or servers refuse the conversation."""
+        call, or servers refuse the conversation. The reasoning goes back (as
+        `reasoning_content`) only with `include_reasoning`: some servers reject the field."""
         message: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+        if include_reasoning and self.reasoning:
+            message["reasoning_content"] = self.reasoning
         if self.tool_calls:
             message["tool_calls"] = [call.wire_format() for call in self.tool_calls]
         return message
@@ -156,6 +180,7 @@ class LLMError(Exception):
         self.base_url, self.status_code, self.attempts, self.partial = base_url, status_code, attempts, partial
         # Prompt tokens (estimated) of the failed attempts the server took in (Completion.retry_tokens).
         self.retry_tokens = 0
+        self.failed_attempts: list[FailedAttempt] = []  # every failed attempt, the last one included
 
 
 class LLMUnavailable(LLMError):
@@ -164,6 +189,12 @@ class LLMUnavailable(LLMError):
 
 class LLMRequestRejected(LLMError):
     """The server refused the request itself (400, 401, 403, 404, ...): retrying will not help."""
+
+
+class LLMContextExceeded(LLMRequestRejected):
+    """The server refused the request because its prompt does not fit the model's context window
+    (OpenAI's `context_length_exceeded`; other servers say so in words): the caller can shorten
+    the dialog and try again."""
 
 
 class LLMStreamCut(LLMError):
@@ -359,9 +390,12 @@ class LLMClient:
     may serve many concurrent calls (the underlying HTTP client pools connections)."""
 
     def __init__(self, *, base_url: str, api_key: str, model: str, connect_timeout: float = 5.0,
-                 read_timeout: float = 60.0, retry: RetryPolicy | None = None):
+                 read_timeout: float = 60.0, retry: RetryPolicy | None = None, include_usage: bool = True):
         self.base_url = base_url.rstrip("/")
         self.model = model
+        # False for a server that refuses `stream_options` (its usage is then estimated,
+        # unless it sends usage of its own accord, as llama.cpp does).
+        self.include_usage = include_usage
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.retry = retry or RetryPolicy()
@@ -394,18 +428,20 @@ class LLMClient:
     def chat(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None, model: str | None = None,
              temperature: float | None = None, max_tokens_cap: int | None = None,
              on_token: Callable[[str], None] | None = None, cancel: CancelHook = None,
-             timeout: float | None = None, tool_choice: str | dict | None = None) -> Completion:
+             timeout: float | None = None, tool_choice: str | dict | None = None,
+             on_reasoning: Callable[[str], None] | None = None) -> Completion:
         """Stream one assistant message. `messages`/`tools` are in the Chat Completions wire
         format; `max_tokens_cap` caps the completion (sent as `max_completion_tokens`, or
         `max_tokens` to servers that only know that); `on_token(piece)` receives each piece of
-        content text as it arrives; `cancel` is a CancellationToken or a callable returning
+        content text as it arrives, `on_reasoning(piece)` each piece of reasoning; `cancel` is a CancellationToken or a callable returning
         True to stop; `timeout` overrides the read timeout (seconds of silence allowed).
 
         Returns a complete Completion, or raises an LLMError subclass (see the module doc)."""
         model = model or self.model
         watch = _CancelWatch(cancel)
-        request: dict[str, Any] = {"model": model, "messages": list(messages), "stream": True,
-                                   "stream_options": {"include_usage": True}}
+        request: dict[str, Any] = {"model": model, "messages": list(messages), "stream": True}
+        if self.include_usage:
+            request["stream_options"] = {"include_usage": True}
         if tools:
             request["tools"] = list(tools)
         if tool_choice is not None:
@@ -417,6 +453,7 @@ class LLMClient:
         # The package's own retries are off (max_retries=0 in __init__): every attempt is made
         # here, and those the server read are counted (retry_tokens).
         retry_tokens, prompt_tokens = 0, estimate_prompt_tokens(request["messages"], request.get("tools"))
+        failed: list[FailedAttempt] = []
         try:
             while True:
                 attempt += 1
@@ -425,9 +462,10 @@ class LLMClient:
                                        reason=watch.reason, base_url=self.base_url, attempts=attempt - 1)
                 try:
                     stream = self._open_stream(request, max_tokens_cap, timeout, attempt)
-                    completion = self._consume(stream, request, watch, on_token, attempt)
+                    completion = self._consume(stream, request, watch, on_token, attempt, on_reasoning)
                 except _Retry as retry:
                     retry_tokens += prompt_tokens if retry.spent else 0
+                    failed.append(FailedAttempt(retry.reason, retry.status_code, prompt_tokens if retry.spent else 0))
                     delay = self._delay_or_give_up(retry, attempt, model)
                     logger.warning("model call failed, retrying", extra={
                         "llm_base_url": self.base_url, "llm_model": model, "llm_attempt": attempt,
@@ -439,6 +477,7 @@ class LLMClient:
                                            base_url=self.base_url, attempts=attempt) from None
                     continue
                 completion.attempts, completion.retry_tokens = attempt, retry_tokens
+                completion.failed_attempts = failed
                 logger.info("model call finished", extra={
                     "llm_base_url": self.base_url, "llm_model": model, "llm_attempts": attempt,
                     "llm_finish_reason": completion.finish_reason, "llm_tool_calls": len(completion.tool_calls),
@@ -449,6 +488,7 @@ class LLMClient:
                 return completion
         except LLMError as exc:
             exc.retry_tokens = retry_tokens
+            exc.failed_attempts = failed
             raise
         finally:
             watch.release()
@@ -507,6 +547,10 @@ class LLMClient:
         if status in self.retry.retry_statuses:
             return _Retry(f"HTTP {status}: {detail}", status_code=status,
                           retry_after=retry_after_seconds(exc.response.headers), spent=status not in REFUSED_UNREAD)
+        if status in (400, 413) and _is_context_exceeded(exc, detail):
+            return LLMContextExceeded(f"The model server at {self.base_url} refused the request: its prompt does "
+                                      f"not fit model {model!r}'s context window (HTTP {status}: {detail}).",
+                                      base_url=self.base_url, status_code=status, attempts=attempt)
         if status in (401, 403):
             advice = "check LLM_API_KEY"
         elif status == 404:
@@ -518,14 +562,15 @@ class LLMClient:
                                   f"{detail}); {advice}.", base_url=self.base_url, status_code=status,
                                   attempts=attempt)
 
-    def _consume(self, stream, request: dict, watch: _CancelWatch, on_token, attempt: int) -> Completion:
+    def _consume(self, stream, request: dict, watch: _CancelWatch, on_token, attempt: int,
+                 on_reasoning=None) -> Completion:
         assembly = _Assembly(request)
         watch.arm(lambda: _abort_stream(stream))
         try:
             for chunk in stream:
                 if watch.is_set():
                     break
-                assembly.add(chunk, on_token)
+                assembly.add(chunk, on_token, on_reasoning)
         except openai.APIConnectionError as exc:  # includes the read timeout
             if not watch.is_set():
                 reason = ("no chunk within the read timeout" if isinstance(exc, openai.APITimeoutError)
@@ -572,6 +617,7 @@ class _Assembly:
     def __init__(self, request: dict):
         self.request = request
         self.content_parts: list[str] = []
+        self.reasoning_parts: list[str] = []
         # One entry per tool call, in order; fragments find theirs by `index` (and by `id`,
         # for servers that number every parallel call 0).
         self.calls: list[dict] = []
@@ -582,18 +628,28 @@ class _Assembly:
         self.response_id: str | None = None
         self.received_anything = False
 
-    def add(self, chunk, on_token) -> None:
+    def add(self, chunk, on_token, on_reasoning=None) -> None:
         self.response_id = self.response_id or getattr(chunk, "id", None)
         self.model = getattr(chunk, "model", None) or self.model
         if getattr(chunk, "usage", None) is not None:
+            # A chunk of its own after the finish (OpenAI, vLLM) or inside the finish chunk
+            # (llama.cpp): either way the last one seen wins.
             usage = chunk.usage
+            details = getattr(usage, "prompt_tokens_details", None)
             self.usage = Usage(usage.prompt_tokens or 0, usage.completion_tokens or 0,
-                               usage.total_tokens or (usage.prompt_tokens or 0) + (usage.completion_tokens or 0))
+                               usage.total_tokens or (usage.prompt_tokens or 0) + (usage.completion_tokens or 0),
+                               cached_tokens=getattr(details, "cached_tokens", None) or 0)
         for choice in chunk.choices or []:
             if choice.index not in (0, None):
                 continue  # n > 1 is never asked for
             delta = choice.delta
             if delta is not None:
+                reasoning = _reasoning_piece(delta)
+                if reasoning:
+                    self.received_anything = True
+                    self.reasoning_parts.append(reasoning)
+                    if on_reasoning is not None:
+                        on_reasoning(reasoning)
                 if delta.content:
                     self.received_anything = True
                     self.content_parts.append(delta.content)
@@ -628,16 +684,28 @@ class _Assembly:
         if stream_cut or cancelled:
             dropped = [call for call in calls if not call.arguments_are_complete() or not call.name]
             calls = [call for call in calls if call not in dropped]
-        usage = self.usage or self._estimate(content, calls + dropped)
+        reasoning = "".join(self.reasoning_parts)
+        usage = self.usage or self._estimate(content + reasoning, calls + dropped)
         return Completion(content=content, tool_calls=calls, finish_reason=self.finish_reason, usage=usage,
                           model=self.model, response_id=self.response_id, stream_cut=stream_cut,
-                          cancelled=cancelled, dropped_tool_calls=dropped)
+                          cancelled=cancelled, dropped_tool_calls=dropped, reasoning=reasoning)
 
     def _estimate(self, content: str, calls: list[ToolCall]) -> Usage:
+        # `content` includes the reasoning: the server bills reasoning tokens as completion tokens.
         completion_chars = len(content) + sum(len(c.name) + len(c.arguments) for c in calls)
         prompt = estimate_prompt_tokens(self.request["messages"], self.request.get("tools"))
         completion = estimate_tokens(completion_chars)
         return Usage(prompt, completion, prompt + completion, estimated=True)
+
+
+def _reasoning_piece(delta) -> str:
+    """A delta's reasoning text, under either name servers use (extra fields of the package's
+    ChoiceDelta); anything but a string (OpenRouter's structured `reasoning_details`) is not it."""
+    for name in ("reasoning_content", "reasoning"):
+        value = getattr(delta, name, None)
+        if isinstance(value, str) and value:
+            return value
+    return ""
 
 
 def estimate_tokens(characters: int) -> int:
@@ -653,6 +721,16 @@ def estimate_prompt_tokens(messages: Sequence[dict], tools: Sequence[dict] | Non
 
 def _names_parameter(exc: openai.APIStatusError, parameter: str) -> bool:
     return exc.param == parameter or parameter in (exc.message or "") or parameter in json.dumps(exc.body or "")
+
+
+_CONTEXT_EXCEEDED_WORDS = ("context_length_exceeded", "context length", "context window", "maximum context",
+                           "too many tokens", "prompt is too long")
+
+
+def _is_context_exceeded(exc: openai.APIStatusError, detail: str) -> bool:
+    """OpenAI sends code `context_length_exceeded`; vLLM, llama.cpp and others say it in words."""
+    text = f"{getattr(exc, 'code', '') or ''} {detail}".lower()
+    return any(words in text for words in _CONTEXT_EXCEEDED_WORDS)
 
 
 def _server_message(exc: openai.APIStatusError) -> str:

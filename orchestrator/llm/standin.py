@@ -31,8 +31,29 @@ Fault modes, per request, as suffixes of the model name (`standin-planner+slow+4
   bad-json     the first tool call's arguments are malformed JSON
   unknown-tool a call to a tool that was not offered, instead of the plan
   legacy       HTTP 400 for `max_completion_tokens` (servers that only know `max_tokens`)
+  no-stream-options  HTTP 400 for a request with `stream_options` (servers that refuse it)
+  no-tools     HTTP 400 for a request with `tools` (a server without tool support)
+  reasoning    reasoning deltas (`reasoning_content`) before the answer
+  context_window=N  HTTP 400 `context_length_exceeded` for a request whose prompt passes N tokens
+               (characters / 4, as the usage it reports), what a server with an N-token window says
+  usage-scale=F  the usage it reports (and bills) counts F times the prompt tokens: a server whose
+               tokenizer counts differently from characters / 4
   FAULT@N      only the Nth time this same request (same model, messages and tools) arrives,
                e.g. `+429@1`: the first attempt is refused, its retry is answered.
+
+Server dialects, one at most, also suffixes (`standin-planner+ollama`): the same plan in the
+shapes of streamed chunks other servers send (DIALECTS; what differs is from their code and
+issue trackers):
+  vllm         reasoning deltas as `reasoning` (vLLM >= 0.16; `reasoning_content` before),
+               tool calls streamed in pieces (id and name first, no `arguments` key), ids
+               `chatcmpl-tool-…`, `logprobs`/`stop_reason` on every choice, usage in a chunk of
+               its own only when `stream_options.include_usage` asks;
+  ollama       reasoning deltas as `reasoning` (with `content: ""` beside), every tool call
+               complete in one chunk, `role` on every delta, `system_fingerprint: fp_ollama`,
+               no usage chunk whatever the request asks;
+  llamacpp     reasoning deltas as `reasoning_content`, the first delta's content null, each
+               tool call complete in a chunk of its own, and the usage (with `timings`) inside
+               the finish chunk, always, instead of a chunk of its own.
 """
 from __future__ import annotations
 
@@ -57,8 +78,35 @@ DEFAULT_RETRY_AFTER_SECONDS = "1"
 ARGUMENT_FRAGMENT_CHARACTERS = 8  # how tool-call arguments are split over chunks
 CONTRACT_READS_PER_TURN = 5
 
-FAULTS = ("slow", "cut", "no-usage", "429", "500", "bad-json", "unknown-tool", "legacy")
-_FAULT_PATTERN = re.compile(r"^(?P<name>[a-z0-9-]+)(?:=(?P<value>[0-9.]+))?(?:@(?P<nth>[0-9]+))?$")
+FAULTS = ("slow", "cut", "no-usage", "429", "500", "bad-json", "unknown-tool", "legacy", "no-stream-options",
+          "no-tools", "reasoning", "context_window", "usage-scale")
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How a server shapes its streamed chunks (see the module doc)."""
+    name: str
+    reasoning_field: str | None = None  # the delta field of reasoning pieces; None: no reasoning
+    whole_calls: bool = False           # a tool call's id, name and arguments in one delta
+    calls_in_one_chunk: bool = False    # every tool call of the answer in the same delta
+    usage: str = "chunk"                # "chunk": its own, if asked; "finish": in the finish chunk, always; "never"
+    call_id_prefix: str = "call_"
+    first_content: str | None = ""      # the first delta's `content`
+    role_on_every_delta: bool = False
+    choice_extra: tuple[tuple[str, Any], ...] = ()
+    chunk_extra: tuple[tuple[str, Any], ...] = ()
+
+
+OPENAI = Dialect("openai")
+DIALECTS = {
+    "vllm": Dialect("vllm", reasoning_field="reasoning", call_id_prefix="chatcmpl-tool-",
+                    choice_extra=(("logprobs", None), ("stop_reason", None))),
+    "ollama": Dialect("ollama", reasoning_field="reasoning", whole_calls=True, calls_in_one_chunk=True, usage="never",
+                      role_on_every_delta=True, chunk_extra=(("system_fingerprint", "fp_ollama"),)),
+    "llamacpp": Dialect("llamacpp", reasoning_field="reasoning_content", whole_calls=True, usage="finish",
+                        call_id_prefix="", first_content=None, chunk_extra=(("system_fingerprint", "b6097-9515c613"),)),
+}
+_FAULT_PATTERN = re.compile(r"^(?P<name>[a-z0-9_-]+)(?:=(?P<value>[0-9.]+))?(?:@(?P<nth>[0-9]+))?$")
 
 
 # --- fault modes -----------------------------------------------------------------------
@@ -77,11 +125,15 @@ def parse_model(model: str) -> tuple[str, dict[str, Fault]]:
     faults: dict[str, Fault] = {}
     for suffix in suffixes:
         match = _FAULT_PATTERN.match(suffix.strip().lower())
-        if not match or match["name"] not in FAULTS:
+        if not match or match["name"] not in FAULTS + tuple(DIALECTS):
             raise ValueError(f"unknown fault mode {suffix!r} in model {model!r}; known: "
-                             f"{', '.join(FAULTS)} (each optionally =VALUE and @N)")
+                             f"{', '.join(FAULTS)} (each optionally =VALUE and @N), and one of the dialects "
+                             f"{', '.join(DIALECTS)}")
         faults[match["name"]] = Fault(match["name"], match["value"],
                                       int(match["nth"]) if match["nth"] else None)
+    dialects = [name for name in faults if name in DIALECTS]
+    if len(dialects) > 1:
+        raise ValueError(f"model {model!r} names several dialects ({', '.join(dialects)}); a server speaks one")
     return base, faults
 
 
@@ -103,6 +155,7 @@ class Plan:
     """The next assistant message: tool calls, or (with none) a final answer in `content`."""
     content: str = ""
     tool_calls: list[PlannedCall] = field(default_factory=list)
+    reasoning: str = ""  # sent as reasoning deltas by the modes that reason (see _reasoning_text)
 
 
 @dataclass
@@ -154,8 +207,100 @@ def _read_conversation(messages: list[dict], tools: list[dict]) -> _Conversation
 
 def plan_next(messages: list[dict], tools: list[dict] | None = None) -> Plan:
     """The stand-in's decision for this conversation (see the module doc)."""
+    summarise = _summary_plan(messages)
+    if summarise is not None:
+        return summarise
     conversation = _read_conversation(messages, tools or [])
-    return _contracts_plan(conversation) or _generic_plan(conversation)
+    return (_read_on_plan(conversation) or _items_plan(conversation, messages) or _contracts_plan(conversation)
+            or _generic_plan(conversation))
+
+
+# --- long runs: a summary when asked to compact, and a goal of N items one per turn ---------
+
+COMPACTION_MARK = "You compact an agent's dialog."  # the harness's summary prompt begins so
+_ITEMS_GOAL = re.compile(r"\bitems? 1 to (\d+)\b", re.I)
+_AFTER_ITEM = re.compile(r"\bafter item (\d+)\b", re.I)
+_PROGRESS = re.compile(r"Progress: last item (\d+), running total (-?\d+)\.")
+_ITEM_RESULT = re.compile(r'"item":\s*(\d+),\s*"value":\s*(-?\d+)')
+
+
+def _summary_plan(messages: list[dict]) -> Plan | None:
+    """Asked to summarise (the system prompt is the harness's compaction prompt): the progress of
+    an items goal read from the text (an earlier summary's progress line, then the item results
+    after it), and how many messages it covered. It never mentions side effects: what was done
+    must reach the model through the harness's ledger."""
+    if not messages or not _text(messages[0].get("content")).startswith(COMPACTION_MARK):
+        return None
+    text = "\n".join(_text(m.get("content")) for m in messages[1:])
+    last, total = _progress(text)
+    lines = text.count("\n[turn ")
+    state = f"Progress: last item {last}, running total {total}." if last else "No items read yet."
+    return Plan(content=f"(stand-in summary of {lines + 1} message(s)) {state}")
+
+
+def _progress(text: str) -> tuple[int, int]:
+    """(last item read, running total) from an earlier summary's progress line and the item results
+    after it."""
+    last, total, start = 0, 0, 0
+    for match in _PROGRESS.finditer(text):
+        last, total, start = int(match[1]), int(match[2]), match.end()
+    for match in _ITEM_RESULT.finditer(text, start):
+        item, value = int(match[1]), int(match[2])
+        if item > last:
+            last, total = item, total + value
+    return last, total
+
+
+def _items_plan(conversation: _Conversation, messages: list[dict]) -> Plan | None:
+    """A goal of reading items 1 to N (a tool with "item" and a read verb), one per turn, keeping a
+    running total; with an address and "after item K" in the goal, the total is emailed once past
+    item K; then the answer is the total. State comes from the dialog: the summary's progress line
+    and the item results since; whether the email went from the calls in view or the ledger."""
+    goal = _ITEMS_GOAL.search(conversation.goal)
+    reader = _find_tool(conversation.offered, must="item", verbs=_READ_VERBS)
+    if goal is None or reader is None:
+        return None
+    count = int(goal[1])
+    text = "\n".join(_text(m.get("content")) for m in messages if m.get("role") in ("user", "tool"))
+    last, total = _progress(text)
+    address = _EMAIL_PATTERN.search(conversation.goal)
+    after = _AFTER_ITEM.search(conversation.goal)
+    mailer = _find_tool(conversation.offered, must="email") or _find_tool(conversation.offered, must="mail")
+    if address and after and mailer and last >= int(after[1]):
+        ledger_says_sent = any(line.startswith("- ") and "email" in line and ": done" in line
+                               for line in text.splitlines())
+        if not conversation.calls_of(mailer) and not ledger_says_sent:
+            return Plan(tool_calls=[PlannedCall(mailer, _arguments(
+                conversation.offered[mailer], conversation.goal, recipient=address[0],
+                subject=f"Running total after item {last}", body=f"The running total after item {last} is {total}."))])
+    if last < count:
+        return Plan(tool_calls=[PlannedCall(reader, {"item": last + 1})])
+    return Plan(content=f"Read items 1 to {count}. The total is {total}.")
+
+
+_READ_ON = re.compile(r'result_read\(ref="([^"]+)", offset=(\d+)\)')
+READ_ON_PAGES = 3  # pages the stand-in reads of a shortened result before it answers
+
+
+def _read_on_plan(conversation: _Conversation) -> Plan | None:
+    """A tool result shortened for the prompt ends with how to read on (result_read): the stand-in
+    reads a few pages of it, then answers with what the last page said."""
+    if "result_read" not in conversation.offered:
+        return None
+    answered = [call for call in conversation.calls if call.result is not None]
+    if not answered:
+        return None
+    last = answered[-1]
+    pointer = _READ_ON.search(last.result or "")
+    pages = [c for c in conversation.calls_of("result_read") if pointer and c.arguments.get("ref") == pointer.group(1)]
+    if pointer and len(pages) < READ_ON_PAGES:
+        return Plan(tool_calls=[PlannedCall("result_read", {"ref": pointer.group(1),
+                                                            "offset": int(pointer.group(2))})])
+    if last.name == "result_read" and not _is_error(last.result or ""):
+        header, _, page = (last.result or "").partition("\n")
+        return Plan(content=f"I read {len(conversation.calls_of('result_read'))} more page(s) of "
+                            f"{last.arguments.get('ref', '')} {header} Its last page ends with: {page[-120:]}")
+    return None
 
 
 _READ_VERBS = ("read", "get", "fetch", "open", "load", "parse", "extract")
@@ -426,6 +571,14 @@ def _contracts_summary(results: list[tuple[Any, str]]) -> str:
     return text
 
 
+def _reasoning_text(plan: Plan) -> str:
+    """What a reasoning model would think before this plan: a short account of the decision."""
+    if plan.tool_calls:
+        names = ", ".join(dict.fromkeys(call.name for call in plan.tool_calls))
+        return f"Thinking: the goal needs more facts before I can answer, so next I call {names}."
+    return "Thinking: I have what the goal asks for, so I answer now without calling a tool."
+
+
 def _clip(text: str | None, limit: int = 200) -> str:
     text = (text or "").strip()
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -443,8 +596,17 @@ def _argument_pieces(text: str) -> list[str]:
 
 
 def _estimate_prompt_tokens(body: dict) -> int:
-    characters = len(json.dumps(body.get("messages") or [])) + len(json.dumps(body.get("tools") or []))
-    return max(1, characters // 4)
+    """The prompt's tokens as the stand-in counts (and bills) them: characters / 4, as the harness
+    estimates a prompt it has no usage for (times F with the usage-scale=F fault)."""
+    from .client import estimate_prompt_tokens
+
+    tokens = max(1, estimate_prompt_tokens(body.get("messages") or [], body.get("tools") or []))
+    try:
+        _, faults = parse_model(str(body.get("model") or ""))
+    except ValueError:
+        return tokens
+    scale = faults.get("usage-scale")
+    return round(tokens * float(scale.value)) if scale is not None and scale.value else tokens
 
 
 def _conversation_error(messages: list[dict]) -> str | None:
@@ -477,6 +639,11 @@ class SeenRequest:
     model: str
     body: dict
     status: int = 200
+    authorization: str = ""  # the Authorization header as sent (which key reached which server)
+    # What it billed (StandinServer.billing): the prompt when the model read it (an answer, a 500;
+    # not a 429 nor a request refused before), and each completion token it sent.
+    billed_prompt_tokens: int = 0
+    billed_completion_tokens: int = 0
 
 
 class _Aborted(Exception):
@@ -531,7 +698,8 @@ class StandinHandler(BaseHTTPRequestHandler):
         except ValueError as exc:
             self._send_error(400, f"The body is not valid JSON: {exc}")
             return
-        record = self.record = self.server.record(SeenRequest(self.path, str(body.get("model", "")), body))
+        record = self.record = self.server.record(SeenRequest(
+            self.path, str(body.get("model", "")), body, authorization=self.headers.get("Authorization", "")))
         try:
             record.status = self._complete(body)
         except (BrokenPipeError, ConnectionResetError, _Aborted):
@@ -561,12 +729,27 @@ class StandinHandler(BaseHTTPRequestHandler):
                              headers={"Retry-After": active["429"].value or DEFAULT_RETRY_AFTER_SECONDS})
             return 429
         if "500" in active:
+            self.record.billed_prompt_tokens = _estimate_prompt_tokens(body)  # it read the prompt, then failed
             self._send_error(500, "The stand-in failed on purpose (fault mode 500).", kind="server_error")
             return 500
         if "legacy" in active and "max_completion_tokens" in body:
             self._send_error(400, "Unrecognized request argument supplied: max_completion_tokens",
                              param="max_completion_tokens", code="unsupported_parameter")
             return 400
+        if "no-stream-options" in active and "stream_options" in body:
+            self._send_error(400, "Unrecognized request argument supplied: stream_options",
+                             param="stream_options", code="unsupported_parameter")
+            return 400
+        if "no-tools" in active and body.get("tools"):
+            self._send_error(400, f"{model} does not support tools", param="tools", code="unsupported_parameter")
+            return 400
+        if "context_window" in active and active["context_window"].value:
+            window, prompt_tokens = int(float(active["context_window"].value)), _estimate_prompt_tokens(body)
+            if prompt_tokens > window:
+                self._send_error(400, f"This model's maximum context length is {window} tokens. However, your "
+                                      f"messages resulted in {prompt_tokens} tokens. Please reduce the length of the "
+                                      f"messages.", param="messages", code="context_length_exceeded")
+                return 400
         problem = _conversation_error(messages)
         if problem:
             self._send_error(400, problem, param="messages")
@@ -593,18 +776,31 @@ class StandinHandler(BaseHTTPRequestHandler):
         response_id = "chatcmpl-standin-" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
         call_ids = [f"call_{hashlib.sha256(f'{response_id}:{i}'.encode()).hexdigest()[:12]}"
                     for i in range(len(plan.tool_calls))]
-        include_usage = "no-usage" not in active
+        dialect = next((DIALECTS[name] for name in faults if name in DIALECTS), OPENAI)
+        if "reasoning" in active and dialect.reasoning_field is None:
+            dialect = Dialect(dialect.name, reasoning_field="reasoning_content", **{
+                k: getattr(dialect, k) for k in ("whole_calls", "calls_in_one_chunk", "usage", "call_id_prefix",
+                                                 "first_content", "role_on_every_delta", "choice_extra", "chunk_extra")})
+        if dialect is not OPENAI:
+            call_ids = [dialect.call_id_prefix + call_id.removeprefix("call_") for call_id in call_ids]
+        if dialect.reasoning_field:
+            plan.reasoning = _reasoning_text(plan)
+        include_usage = "no-usage" not in active and dialect.usage != "never"
         if body.get("stream"):
-            wants_usage = include_usage and bool((body.get("stream_options") or {}).get("include_usage"))
+            wants_usage = include_usage and (dialect.usage == "finish"
+                                             or bool((body.get("stream_options") or {}).get("include_usage")))
             self._stream(body, plan, call_ids, response_id, cap=cap, pace=pace, cut="cut" in active,
-                         include_usage=wants_usage)
+                         include_usage=wants_usage, dialect=dialect)
         else:
-            self._answer(body, plan, call_ids, response_id, cap=cap, cut="cut" in active, include_usage=include_usage)
+            self._answer(body, plan, call_ids, response_id, cap=cap, cut="cut" in active, include_usage=include_usage,
+                         dialect=dialect)
         return 200
 
     def _pieces(self, plan: Plan, call_ids: list[str], cap) -> tuple[list[tuple[str, Any]], str]:
-        """The answer as a sequence of (kind, piece) tokens, cut at the token cap."""
-        pieces: list[tuple[str, Any]] = [("content", p) for p in _content_pieces(plan.content)]
+        """The answer as a sequence of (kind, piece) tokens, cut at the token cap (reasoning
+        tokens count, as they do on real servers)."""
+        pieces: list[tuple[str, Any]] = [("reasoning", p) for p in _content_pieces(plan.reasoning)]
+        pieces += [("content", p) for p in _content_pieces(plan.content)]
         for index, (call, call_id) in enumerate(zip(plan.tool_calls, call_ids)):
             pieces.append(("call", (index, call_id, call.name)))
             pieces.extend(("arguments", (index, p)) for p in _argument_pieces(call.arguments_text()))
@@ -615,7 +811,7 @@ class StandinHandler(BaseHTTPRequestHandler):
                 pieces, finish = pieces[:tokens[cap]], "length"
         return pieces, finish
 
-    def _stream(self, body, plan, call_ids, response_id, *, cap, pace, cut, include_usage):
+    def _stream(self, body, plan, call_ids, response_id, *, cap, pace, cut, include_usage, dialect=OPENAI):
         pieces, finish = self._pieces(plan, call_ids, cap)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -625,39 +821,67 @@ class StandinHandler(BaseHTTPRequestHandler):
         created = int(time.time())
 
         def chunk(delta: dict, finish_reason=None, **extra) -> dict:
+            if dialect.role_on_every_delta:
+                delta = {"role": "assistant", "content": "", **delta}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, **dict(dialect.choice_extra)}
             return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body["model"],
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}], **extra}
+                    "choices": [choice], **dict(dialect.chunk_extra), **extra}
 
-        self._event(chunk({"role": "assistant", "content": ""}))
+        def usage() -> dict:
+            completion_tokens = sum(1 for kind, _ in pieces if kind != "call")
+            prompt_tokens = _estimate_prompt_tokens(body)
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens}
+
+        self.record.billed_prompt_tokens = _estimate_prompt_tokens(body)
+        self._event(chunk({"role": "assistant", "content": dialect.first_content}))
         cut_after = max(1, len(pieces) // 2) if cut else None
         emitted = 0
-        for kind, piece in pieces:
+        # Whole tool calls (ollama, llama.cpp) go out once their arguments are complete.
+        whole: dict[int, dict] = {}
+        for position, (kind, piece) in enumerate(pieces):
             if cut_after is not None and emitted >= cut_after:
                 # Mid-message, no terminating chunk, no [DONE]: the connection just ends.
                 self.wfile.flush()
                 self.connection.shutdown(socket.SHUT_RDWR)
                 raise _Aborted("cut fault")
-            if kind == "content":
+            if kind == "reasoning":
+                self._event(chunk({dialect.reasoning_field: piece}))
+            elif kind == "content":
                 self._event(chunk({"content": piece}))
             elif kind == "call":
                 index, call_id, name = piece
-                self._event(chunk({"tool_calls": [{"index": index, "id": call_id, "type": "function",
-                                                   "function": {"name": name, "arguments": ""}}]}))
+                if dialect.whole_calls:
+                    whole[index] = {"index": index, "id": call_id, "type": "function",
+                                    "function": {"name": name, "arguments": ""}}
+                else:
+                    function = {"name": name} if dialect.name == "vllm" else {"name": name, "arguments": ""}
+                    self._event(chunk({"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                                                       "function": function}]}))
                 continue  # the name is not a paced token of its own
             else:
                 index, text = piece
-                self._event(chunk({"tool_calls": [{"index": index, "function": {"arguments": text}}]}))
+                if dialect.whole_calls:
+                    whole[index]["function"]["arguments"] += text
+                    following = pieces[position + 1][0] if position + 1 < len(pieces) else None
+                    if following != "arguments" and not dialect.calls_in_one_chunk:
+                        self._event(chunk({"tool_calls": [whole.pop(index)]}))
+                else:
+                    self._event(chunk({"tool_calls": [{"index": index, "function": {"arguments": text}}]}))
             emitted += 1
+            self.record.billed_completion_tokens += 1
             if pace > 0 and self.server.stopping.wait(pace):
                 raise _Aborted("server stopping")
-        self._event(chunk({}, finish))
-        if include_usage:
-            completion_tokens = sum(1 for kind, _ in pieces if kind != "call")
-            prompt_tokens = _estimate_prompt_tokens(body)
-            self._event({"id": response_id, "object": "chat.completion.chunk", "created": created,
-                         "model": body["model"], "choices": [],
-                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                   "total_tokens": prompt_tokens + completion_tokens}})
+        if whole:  # ollama: every call at once, as its parser gives them after the model's output
+            self._event(chunk({"tool_calls": [whole[i] for i in sorted(whole)]}))
+        if include_usage and dialect.usage == "finish":
+            timings = {"prompt_n": usage()["prompt_tokens"], "predicted_n": usage()["completion_tokens"]}
+            self._event(chunk({}, finish, usage=usage(), timings=timings))
+        else:
+            self._event(chunk({}, finish))
+            if include_usage:
+                self._event({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                             "model": body["model"], "choices": [], **dict(dialect.chunk_extra), "usage": usage()})
         self._write_chunk(b"data: [DONE]\n\n")
         self._write_chunk(b"")  # the terminating zero-length chunk
 
@@ -668,9 +892,12 @@ class StandinHandler(BaseHTTPRequestHandler):
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()  # chunk by chunk: the client sees each token as it is made
 
-    def _answer(self, body, plan, call_ids, response_id, *, cap, cut, include_usage):
+    def _answer(self, body, plan, call_ids, response_id, *, cap, cut, include_usage, dialect=OPENAI):
         pieces, finish = self._pieces(plan, call_ids, cap)
+        self.record.billed_prompt_tokens = _estimate_prompt_tokens(body)
+        self.record.billed_completion_tokens = sum(1 for kind, _ in pieces if kind != "call")
         content = "".join(p for kind, p in pieces if kind == "content")
+        reasoning = "".join(p for kind, p in pieces if kind == "reasoning")
         calls: dict[int, dict] = {}
         for kind, piece in pieces:
             if kind == "call":
@@ -680,6 +907,8 @@ class StandinHandler(BaseHTTPRequestHandler):
                 index, text = piece
                 calls[index]["function"]["arguments"] += text
         message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if reasoning:
+            message[dialect.reasoning_field] = reasoning
         if calls:
             message["tool_calls"] = [calls[i] for i in sorted(calls)]
         payload: dict[str, Any] = {"id": response_id, "object": "chat.completion", "created": int(time.time()),
@@ -759,6 +988,12 @@ class StandinServer:
         """The requests received so far, oldest first."""
         with self._httpd._lock:
             return list(self._httpd.requests)
+
+    @property
+    def billing(self) -> list[dict]:
+        """What the stand-in billed, request by request: {model, status, prompt_tokens, completion_tokens}."""
+        return [{"model": r.model, "status": r.status, "prompt_tokens": r.billed_prompt_tokens,
+                 "completion_tokens": r.billed_completion_tokens} for r in self.requests]
 
     @property
     def token_seconds(self) -> float:

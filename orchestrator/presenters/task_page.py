@@ -10,17 +10,20 @@ database and the Django admin."""
 import json
 from collections import Counter
 from datetime import datetime, timezone as dt_timezone
+from decimal import Decimal
 
+from django.db.models import Sum
 from django.utils import timezone
 
 from .. import roles
-from ..agent import history
-from ..engine import actions as task_actions, inbox, snapshots, states
-from ..models import Task
+from ..agent import compaction, history
+from ..engine import actions as task_actions, inbox, llm_ledger, snapshots, states
+from ..models import AgentMessage, Task
 from ..primitives.redaction import redact, redact_text
 from ..tasktypes import all_types
 from .snapshots import snapshot_history
 from .timeline import step_timeline
+from .waits import with_review_waits
 
 STEP_ROWS_SHOWN = 2000
 WAL_ROWS_SHOWN = 500
@@ -64,7 +67,7 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
     rows (`with_events=False`): each event brings its own row."""
     now = page_clock()
     redact_fields(task, "title", "error", "status_reason", "activities", "stack", "waiting_for")
-    with_unreviewed_effects([task])
+    with_review_waits(with_unreviewed_effects([task]), now)
     steps = [redact_fields(step, "title", "error")
              for step in with_running(task, list(task.steps.all()[:STEP_ROWS_SHOWN]))]
     wal = list(task.wal_entries.order_by("-id")[:WAL_ROWS_SHOWN])
@@ -96,6 +99,7 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
         "inbox": list(task.inbox.order_by("-seq")[:INBOX_SHOWN]),
         "stack_top_first": list(reversed(task.stack or [])),
         "conversation": conversation(task),
+        "conversation_cost": conversation_cost(task),
         "sendable_types": sendable_types(task),
         # The same id until the inbox moves on: a double click sends one event (the inbox
         # dedupes it); once the event is in, the page re-renders with the next id.
@@ -119,7 +123,10 @@ def conversation(task: Task) -> list[dict] | None:
     each tool call with the status of its step and of its WAL entries."""
     if not task.agent_messages.exists():
         return None
-    rows = history.current(task.pk)[-CONVERSATION_SHOWN:]
+    everything = history.current(task.pk)
+    # Messages a compaction summarised are kept and shown, folded: the model reads the summary instead.
+    summary = compaction.latest(everything)
+    rows = everything[-CONVERSATION_SHOWN:]
     steps = dict(task.steps.filter(step_id__startswith="tool-").values_list("step_id", "status"))
     wal: dict[str, str] = {}
     for step_id, status in task.wal_entries.filter(step_id__startswith="tool-").values_list("step_id", "status"):
@@ -129,12 +136,36 @@ def conversation(task: Task) -> list[dict] | None:
         calls = [{**call, "step_status": steps.get(call.get("step", ""), ""), "wal_status": wal.get(call.get("step", ""), "")}
                  for call in redact(row.tool_calls)]
         content = redact_text(row.content)
+        reasoning = redact_text(row.reasoning)
+        if row.role == AgentMessage.Role.SUMMARY and row.interrupted:
+            continue  # a summary being asked for, or lost with its process: nothing to read
+        of = row.summary_of or {}
         shown.append({"role": row.role, "turn": row.turn, "name": row.name, "interrupted": row.interrupted,
+                      "folded": row.role != AgentMessage.Role.SUMMARY and compaction.hidden_by(summary, row),
+                      "summary_of": (f"turns {of.get('first_turn')}-{of.get('last_turn')}, {of.get('messages')} "
+                                     f"message(s)" if of else ""),
+                      "sent": row is summary,
                       "streaming": row.interrupted and not row.accounted and task.status == "running",
                       "content": content[:MESSAGE_SHOWN_CHARACTERS], "cut": len(content) > MESSAGE_SHOWN_CHARACTERS,
+                      "reasoning": reasoning[:MESSAGE_SHOWN_CHARACTERS],
+                      "reasoning_cut": len(reasoning) > MESSAGE_SHOWN_CHARACTERS,
                       "tool_calls": calls, "tokens": row.prompt_tokens + row.completion_tokens,
-                      "estimated": row.tokens_estimated})
+                      "estimated": row.tokens_estimated, "cost": format_cost(row.cost)})
     return shown
+
+
+def conversation_cost(task: Task) -> str:
+    """What the agent's model calls cost so far at their profiles' prices ("" when none has a
+    price): every attempt in the ledger counted (engine/llm_ledger.py), retried, interrupted
+    and lost ones and earlier generations included, as its tokens are."""
+    return format_cost(task.model_attempts.aggregate(total=Sum("cost"))["total"])
+
+
+def format_cost(value: Decimal | None) -> str:
+    if value is None:
+        return ""
+    text = f"{value:.6f}".rstrip("0")
+    return text + "0" if text.endswith(".") else text
 
 
 def sendable_types(task: Task) -> list[str]:
@@ -162,13 +193,16 @@ def with_running(task: Task, steps: list) -> list:
 
 
 def with_type_titles(tasks: list[Task]) -> list[Task]:
-    """The list page's rows: each task with its type's title (shown when it has none) and
-    its count of unreviewed effects."""
+    """The list page's rows: each task with its type's title (shown when it has none), what its
+    model calls cost (the ledger's, one grouped query for the page), its count of unreviewed
+    effects, and how long its open approvals and reviews have waited."""
     types = all_types()
+    costs = llm_ledger.costs_of([task.pk for task in tasks if task.tokens_used])
     for task in tasks:
         redact_fields(task, "title")
         task.type_title = types[task.type].title if task.type in types else ""
-    return with_unreviewed_effects(tasks)
+        task.model_cost = format_cost(costs.get(task.pk))
+    return with_review_waits(with_unreviewed_effects(tasks), page_clock())
 
 
 def with_unreviewed_effects(tasks: list[Task]) -> list[Task]:

@@ -1,14 +1,13 @@
-"""Task types: a registry by name. Adding a type is one module plus one line below."""
+"""Task types: a registry by name. The core's own is the agent; every other type comes from an
+extension (the demo app's, an installation's ORCH_EXTENSIONS) through orchestrator.sdk."""
 import importlib
 
+from .. import extensions
 from ..conf import harness
 from .base import StepSpec, TaskType
 
+# The built-in type; the demo's (demo/) and an installation's come in as extensions.
 TASK_TYPE_MODULES = [
-    "orchestrator.tasktypes.migrate_rows",
-    "orchestrator.tasktypes.contracts",
-    "orchestrator.tasktypes.notify",
-    "orchestrator.tasktypes.pipeline",
     "orchestrator.tasktypes.agent",
 ]
 
@@ -26,11 +25,15 @@ def register(cls: type[TaskType]) -> type[TaskType]:
 
 
 def _load() -> dict[str, TaskType]:
-    """The registered types of the modules configured now (settings may change in tests)."""
+    """The registered types of the modules configured now (settings may change in tests): the
+    built-ins, ORCH_EXTRA_TASK_TYPES, and ORCH_EXTENSIONS (with their submodules; a module that
+    cannot be imported raises, naming it)."""
     modules = TASK_TYPE_MODULES + harness.extra_task_type_modules
     for module in modules:
         importlib.import_module(module)
-    return {name: t for name, t in _registry.items() if type(t).__module__ in modules}
+    extensions.require()
+    return {name: t for name, t in _registry.items()
+            if type(t).__module__ in TASK_TYPE_MODULES or extensions.configured(type(t).__module__)}
 
 
 def all_types() -> dict[str, TaskType]:

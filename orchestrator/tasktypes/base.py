@@ -51,8 +51,9 @@ FAILURE_POLICIES = ("needs_human", "skip", "fail")
 
 
 class TaskType:
-    """Subclass, set `name`, `Params` and implement `plan` and `run_step`; then add the
-    module to TASK_TYPE_MODULES in orchestrator/tasktypes/__init__.py."""
+    """Subclass (from orchestrator.sdk), set `name`, `Params` and implement `plan` and
+    `run_step`; decorate it with `register_task_type` in a module of ORCH_EXTENSIONS
+    (docs/extending.md; the demo's in demo/tasktypes/)."""
 
     name: ClassVar[str]
     title: ClassVar[str] = ""
@@ -117,6 +118,12 @@ class TaskType:
         and their adders run again (to add them anew from the new params)? By default they
         stay as long as their adder is kept (an invalidated adder always re-adds its steps)."""
         return False
+
+    def on_rollback(self, task: "Task", kept: set[str]) -> dict:
+        """Undo the type's own records that steps not in `kept` wrote (they ran after the version
+        rolled back to), inside the rollback's transaction: {what: how many}, for its event and
+        audit entry. The world outside (emails, POSTs) is never undone: the preview lists it."""
+        return {}
 
     def validate_resources(self, task: "Task") -> None:
         """Before a recovered task continues: raise with a message if an external resource

@@ -130,4 +130,4 @@ def all_tools() -> dict[str, Tool]:
 
 
 def _load_builtin() -> None:
-    from . import db, email, http, shell  # noqa: F401  (each registers itself)
+    from . import db, email, http, mcp, shell  # noqa: F401  (each registers itself)

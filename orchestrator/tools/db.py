@@ -6,6 +6,7 @@ always knows whether it happened.
 """
 import hashlib
 import json
+from functools import cache
 
 from django.apps import apps
 from django.db import transaction
@@ -13,13 +14,16 @@ from django.db import transaction
 from ..primitives.faults import fault_point_for_key
 from .base import Tool, ToolError, register
 
-# Tables a task may write through this tool (an allow-list: the table name comes from args).
-UPSERT_TABLES = {
-    "demo_source": "orchestrator.DemoSource",
-    "demo_destination": "orchestrator.DemoDestination",
-    "demo_contract_extraction": "orchestrator.DemoContractExtraction",
-    "agent_memory": "orchestrator.AgentMemory",
-}
+# Tables a task may write through this tool (an allow-list: the table name comes from args), by
+# their names in the database: the demo's are the demo app's models (found by name, not imported).
+UPSERT_TABLES = ("demo_source", "demo_destination", "demo_contract_extraction", "agent_memory")
+
+
+@cache
+def _upsert_models() -> dict:
+    """The allowed tables' models by table name, read from the apps registry once (it does not
+    change after start-up): db.upsert looks one up on every batch of a migration."""
+    return {m._meta.db_table: m for m in apps.get_models() if m._meta.db_table in UPSERT_TABLES}
 
 
 @register
@@ -30,10 +34,10 @@ class DbUpsert(Tool):
     transactional = True
 
     def _model(self, table: str):
-        try:
-            return apps.get_model(UPSERT_TABLES[table])
-        except KeyError:
-            raise ToolError(f"db.upsert may not write table {table!r}; allowed: {', '.join(UPSERT_TABLES)}") from None
+        model = _upsert_models().get(table)
+        if model is None:
+            raise ToolError(f"db.upsert may not write table {table!r}; allowed: {', '.join(UPSERT_TABLES)}")
+        return model
 
     def validate(self, args: dict) -> None:
         model = self._model(args.get("table", ""))

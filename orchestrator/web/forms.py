@@ -10,6 +10,8 @@ LIMIT_FIELDS = [
     ("max_tokens", "Max tokens", "integer", "Pause once this many LLM tokens are used"),
     ("max_seconds", "Max seconds", "number", "Pause after this much active run time"),
     ("max_subtasks", "Max subtasks", "integer", "How many subtasks may run at once (1–64)"),
+    ("max_cost", "Max cost", "number", "What its model calls may cost, at the model profiles' prices (empty: no "
+                                       "limit); the task pauses when it is reached"),
 ]
 TEXTAREA_MIN_LENGTH = 300  # strings allowed to be longer than this get a textarea
 
@@ -84,8 +86,9 @@ def _number_bound(prop: dict, inclusive: str, exclusive: str):
     return None
 
 
-def param_fields(schema: dict) -> list[dict]:
-    """Form fields for a pydantic model's JSON schema, named `params.<key>`."""
+def param_fields(schema: dict, prefix: str = "params") -> list[dict]:
+    """Form fields for a pydantic model's JSON schema, named `<prefix>.<key>` (a task type's
+    params; a tool's arguments on the approval page)."""
     defs = schema.get("$defs", {})
     required = set(schema.get("required", []))
     fields = []
@@ -93,7 +96,7 @@ def param_fields(schema: dict) -> list[dict]:
         prop = _resolve(raw, defs)
         widget = _widget(prop)
         field = {
-            "name": f"params.{key}",
+            "name": f"{prefix}.{key}",
             "key": key,
             "label": prop.get("title") or key.replace("_", " ").capitalize(),
             "help": prop.get("description", ""),
@@ -111,6 +114,8 @@ def param_fields(schema: dict) -> list[dict]:
             field["choices"] = [str(c) for c in prop["enum"]]
         elif widget in ("text", "textarea"):
             field["maxlength"] = prop.get("maxLength")
+            # Offered, not imposed (e.g. an agent's model: the profiles, or any model's name).
+            field["suggestions"] = [str(x) for x in prop.get("examples") or [] if isinstance(x, (str, int, float))]
         fields.append(field)
     return fields
 

@@ -152,7 +152,7 @@ def test_a_call_that_needs_approval_waits_without_a_worker_and_runs_or_returns_t
 def test_the_20_contracts_goal_reads_all_20_totals_them_right_and_sends_one_email_after_approval(model, smtp):
     from decimal import Decimal
 
-    from orchestrator.tasktypes.contract_extraction import MalformedContract, list_samples, read_contract
+    from demo.tasktypes.contract_extraction import MalformedContract, list_samples, read_contract
 
     task = agent("Parse the 20 contracts and email a summary to ops@example.org", require_approval=["email_send"])
     assert drive_inline(task.pk) == "waiting"  # the email waits for its approval, holding no worker

@@ -114,6 +114,12 @@ def test_kill_9_mid_stream_redoes_the_turn_from_what_had_streamed_and_counts_the
     # Tokens: the completed call's usage plus the lost attempt's estimate, once.
     assert task.tokens_used == (final.prompt_tokens + final.completion_tokens
                                 + lost.prompt_tokens + lost.completion_tokens)
+    # The ledger has both attempts: the one lost with its process, estimated, and the completed one.
+    from orchestrator.models import ModelCallAttempt
+    ledger = list(ModelCallAttempt.objects.filter(task=task).values_list("outcome", "estimated", "prompt_tokens",
+                                                                         "completion_tokens"))
+    assert ledger == [("lost", True, lost.prompt_tokens, lost.completion_tokens),
+                      ("completed", False, final.prompt_tokens, final.completion_tokens)]
 
 
 def test_kill_9_during_an_idempotent_tool_call_replays_it_with_its_key(model, start_workers, tmp_path):
@@ -143,3 +149,44 @@ def test_stop_mid_stream_ends_the_call_at_once_and_keeps_what_had_streamed(model
     assert time.monotonic() - asked < 2.5  # not the 6 s the answer would have taken
     [partial] = AgentMessage.objects.filter(task=task, role="assistant", interrupted=True)
     assert partial.content and not AgentMessage.objects.filter(task=task, role="assistant", interrupted=False)
+    # The cancelled attempt is in the ledger (estimated: no usage came), and the budget counted it.
+    from orchestrator.models import ModelCallAttempt
+    [cancelled] = ModelCallAttempt.objects.filter(task=task)
+    assert cancelled.outcome == "cancelled" and cancelled.estimated and cancelled.completion_tokens > 0
+    assert Task.objects.get(pk=task.pk).tokens_used == cancelled.prompt_tokens + cancelled.completion_tokens
+
+
+def test_kill_9_during_a_compaction_asks_for_the_summary_again_once_and_counts_the_lost_attempt(
+        model, start_workers, tmp_path, settings):
+    from orchestrator.agent import compaction
+    from orchestrator.models import Step
+
+    settings.ORCH_EXTENSIONS = ["tests.agent.long_run_tools"]  # this process validates the params too
+
+    # Killed after the model answered the summary request, before the summary row was written.
+    start_workers(1, **model_env(model, "standin-planner+context_window=8192"), LLM_CONTEXT_WINDOW="8192",
+                  ORCH_EXTENSIONS="tests.agent.long_run_tools", ORCH_FAULTS="compaction_answered:kill-once",
+                  ORCH_VAR_DIR=tmp_path)
+    task = services.task_create(type="agent.plan_execute", params={
+        "goal": "Read items 1 to 40 with item_read, one per turn, keeping a running total; then answer with the total.",
+        "tools": ["item_read"], "max_turns": 50, "max_tokens_per_call": 300})
+    task = settle(task.pk, timeout=180)
+    assert (tmp_path / "faults" / "compaction_answered").exists(), "the crash did not happen"
+    assert task.status == "completed", task.status_reason
+    compacted = [s for s in Step.objects.filter(task=task, step_id__startswith="compact-", status="done")
+                 if s.result.get("compacted")]
+    assert len(compacted) == 1, [s.result for s in Step.objects.filter(task=task, step_id__startswith="compact-")]
+    # Two requests for that summary: the one whose answer died with the process, and one after;
+    # one summary row; the lost attempt kept as an interrupted row and counted once.
+    asked = [r for r in model.requests if r.body["messages"][0]["content"] == compaction.SUMMARY_PROMPT]
+    assert len(asked) == 2
+    [summary] = AgentMessage.objects.filter(task=task, role="summary", interrupted=False)
+    [lost] = AgentMessage.objects.filter(task=task, role="summary", interrupted=True)
+    assert lost.step_id == summary.step_id == compacted[0].step_id
+    assert lost.accounted and lost.tokens_estimated and lost.prompt_tokens > 0
+    from orchestrator.models import ModelCallAttempt
+    assert list(ModelCallAttempt.objects.filter(task=task, purpose="summary").values_list("outcome", flat=True)) == [
+        "lost", "completed"]
+    final = AgentMessage.objects.filter(task=task, role="assistant").order_by("-turn").first()
+    from tests.agent.long_run_tools import value_of
+    assert final.content == f"Read items 1 to 40. The total is {sum(value_of(i) for i in range(1, 41))}."

@@ -5,15 +5,15 @@ from decimal import Decimal
 import pytest
 
 from orchestrator.agent import toolbox
-from orchestrator.models import DemoSource
+from demo.models import DemoSource
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-ALL = list(toolbox.TOOLS)
+ALL = [*toolbox.TOOLS, "contracts_list", "contracts_read"]  # the built-ins and the demo's
 
 
 def test_each_tool_offers_its_argument_model_as_a_json_schema():
-    schema = toolbox.TOOLS["contracts_read"].schema()
+    schema = toolbox.find_tool("contracts_read").schema()  # the demo's, declared with orchestrator.sdk
     assert schema["type"] == "function" and schema["function"]["name"] == "contracts_read"
     assert schema["function"]["parameters"]["required"] == ["contract"]
     assert all(set(name) <= set("abcdefghijklmnopqrstuvwxyz_") for name in toolbox.TOOLS)  # the protocol's charset
@@ -78,7 +78,12 @@ def test_the_email_allow_list_defaults_to_the_installations_own_domain(settings)
     assert not toolbox.email_allowed("someone@elsewhere.org")
 
 
-def test_the_safe_default_holds_no_side_effect_and_nothing_of_the_host():
-    assert toolbox.SAFE_DEFAULT == ["contracts_list", "contracts_read", "memory_search"]
+def test_the_safe_default_holds_no_side_effect_and_nothing_of_the_host(settings):
+    # The built-in read, and the demo's reads (an extension's, declared granted_by_default).
+    assert toolbox.SAFE_DEFAULT == ["memory_search"]
+    assert toolbox.safe_default() == ["contracts_list", "contracts_read", "memory_search"]
     assert set(toolbox.HOST_TOOLS) == {"db_query", "db_upsert", "shell_run"}
-    assert all(toolbox.TOOLS[name].effect == toolbox.READ_ONLY for name in toolbox.SAFE_DEFAULT)
+    assert all(toolbox.find_tool(name).effect == toolbox.READ_ONLY and not toolbox.find_tool(name).reaches_host
+               for name in toolbox.safe_default())
+    settings.ORCH_DEMO = False  # without the demo, its tools are neither granted nor known
+    assert toolbox.safe_default() == ["memory_search"] and toolbox.find_tool("contracts_read") is None

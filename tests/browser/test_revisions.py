@@ -13,7 +13,8 @@ from playwright.sync_api import expect
 
 from orchestrator.engine import services
 from orchestrator.engine.worker import drive_inline
-from orchestrator.models import AuditEntry, DemoDestination, DemoSource, Task
+from orchestrator.models import AuditEntry, Task
+from demo.models import DemoDestination, DemoSource
 from tests.browser.conftest import in_thread
 
 pytestmark = [pytest.mark.browser, pytest.mark.workers, pytest.mark.django_db(transaction=True)]

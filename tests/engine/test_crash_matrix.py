@@ -6,7 +6,8 @@ ambiguity goes to review (decided here from the ground truth, as a reviewer woul
 import pytest
 
 from orchestrator.engine import services
-from orchestrator.models import DemoDestination, WalEntry
+from orchestrator.models import WalEntry
+from demo.models import DemoDestination
 from review.models import ReviewItem
 from review.services import review_decide
 from tests.support.helpers import settle

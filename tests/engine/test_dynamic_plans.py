@@ -7,7 +7,8 @@ from django.test.utils import CaptureQueriesContext
 
 from orchestrator.engine import revisions, services, snapshots
 from orchestrator.engine.worker import drive_inline
-from orchestrator.models import DemoDestination, Snapshot, Step, StepResult, Task, TaskEvent, WalEntry
+from orchestrator.models import Snapshot, Step, StepResult, Task, TaskEvent, WalEntry
+from demo.models import DemoDestination
 from tests.support.helpers import bearer
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -4,7 +4,8 @@ recovered task adds them exactly once and completes, with every effect exactly o
 import pytest
 
 from orchestrator.engine import services
-from orchestrator.models import DemoDestination, Step, TaskEvent, WalEntry
+from orchestrator.models import Step, TaskEvent, WalEntry
+from demo.models import DemoDestination
 from tests.support.helpers import settle
 
 pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]

@@ -6,7 +6,12 @@ queue holds up to workers² of them): Redis pops them, the ORM broker locks thei
 `retry` (twice ORCH_JOB_TIMEOUT_SECONDS). When the cluster is killed, those tasks are queued
 in the database, nobody holds them, and their messages are gone. Only the sweeper's re-send
 (ORCH_REQUEUE_AFTER_SECONDS) gets them going. It used to look at the 500 newest unclaimed
-tasks only: with a backlog of newer ones, the older stranded tasks were never re-sent."""
+tasks only: with a backlog of newer ones, the older stranded tasks were never re-sent.
+
+Re-sent, they joined the back of the broker's queue: behind a real backlog (messages waiting
+in the broker) they waited for all of it. The sweeper now tells a message a cluster took and
+never ran from one waiting in the broker (engine/stranded.py) and puts those tasks first."""
+from collections import Counter
 from datetime import timedelta
 
 import pytest
@@ -15,7 +20,7 @@ from django_q.conf import Conf
 from django_q.models import OrmQ
 
 from orchestrator.engine import services
-from orchestrator.models import Task
+from orchestrator.models import Task, TaskEvent
 from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
@@ -26,6 +31,13 @@ MARGIN = 45  # the sweeper's start (a Django process), a broker poll, two short 
 BACKLOG = 600  # more than the 500 tasks the sweeper used to look at
 BLOCKER = {"mode": "sleep", "steps": 200, "seconds": 0.25}
 SHORT = {"stages": 2, "seconds_per_stage": 0.05}
+
+
+def assert_each_step_ran_once(task_ids) -> None:
+    done = Counter(TaskEvent.objects.filter(task_id__in=task_ids, kind="step_done")
+                   .values_list("task_id", "payload__step"))
+    assert sorted(done) == sorted((t, f"stage-{k:02d}") for t in task_ids for k in (1, 2)), done
+    assert set(done.values()) == {1}, done
 
 
 def messages_taken(broker: str, redis_url: str | None, expected: int) -> bool:
@@ -47,6 +59,7 @@ def test_tasks_prefetched_by_a_killed_cluster_run_again_within_the_requeue_windo
         redis_url = request.getfixturevalue("private_redis").url
         env["REDIS_URL"] = redis_url
         monkeypatch.setattr(Conf, "ORM", None)  # this process sends the messages: to the workers' Redis
+        monkeypatch.setattr(Conf, "BROKER_CLASS", None)
         monkeypatch.setattr(Conf, "REDIS", redis_url)
     doomed = start_workers(2, **env)
     blockers = [services.task_create(type="test.interruptible", params=BLOCKER).pk for _ in range(2)]
@@ -83,5 +96,95 @@ def test_tasks_prefetched_by_a_killed_cluster_run_again_within_the_requeue_windo
              message=f"the prefetched tasks to run again within {REQUEUE_AFTER + MARGIN} s of the kill")
     waited = timezone.now() - killed
     assert waited < timedelta(seconds=REQUEUE_AFTER + MARGIN)
-    # Each ran once, from its first step (no duplicate run from a message that came back).
-    assert set(Task.objects.filter(pk__in=prefetched).values_list("lease_epoch", flat=True)) == {1}
+    # Each step ran once (no duplicate run from a message that came back).
+    assert_each_step_ran_once(prefetched)
+
+
+REAL_BACKLOG = 150  # tasks whose messages wait in the broker: 2 workers need >= 40 s for them
+BACKLOG_TASK = {"mode": "sleep", "steps": 1, "seconds": 0.5}
+
+
+@pytest.mark.parametrize("broker", ["orm", "redis"])
+def test_tasks_prefetched_by_a_killed_cluster_go_before_a_real_broker_backlog(
+        broker, request, start_workers, start_sweeper, settings, monkeypatch):
+    """The four tasks a killed cluster had prefetched run again while most of a backlog of
+    messages waiting in the broker (sent after theirs) has not run yet: they go first (before:
+    re-sent to the back of the queue, they ran after the whole backlog)."""
+    from orchestrator.engine.stranded import SEND_LAG
+
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+    env = {"ORCH_EXTRA_TASK_TYPES": "tests.support.testtypes", "ORCH_REQUEUE_AFTER_SECONDS": 600}
+    redis_url = None
+    if broker == "redis":
+        redis_url = request.getfixturevalue("private_redis").url
+        env["REDIS_URL"] = redis_url
+        monkeypatch.setattr(Conf, "ORM", None)
+        monkeypatch.setattr(Conf, "BROKER_CLASS", None)
+        monkeypatch.setattr(Conf, "REDIS", redis_url)
+    doomed = start_workers(2, **env)
+    blockers = [services.task_create(type="test.interruptible", params=BLOCKER).pk for _ in range(2)]
+    wait_for(lambda: Task.objects.filter(pk__in=blockers, status="running").exclude(lease_owner="").count() == 2,
+             timeout=60, message="both worker slots busy")
+    prefetched = [services.task_create(type="demo.pipeline", params=SHORT).pk for _ in range(4)]
+    try:
+        wait_for(lambda: messages_taken(broker, redis_url, expected=6), timeout=60,
+                 message="the cluster to take the four messages from the broker")
+    except AssertionError:
+        pytest.skip("the cluster did not prefetch the four messages within 60 s: nothing to test this run")
+    # The backlog's messages are sent after theirs (a hand-over is recorded just before its send).
+    last_handover = max(Task.objects.filter(pk__in=prefetched).values_list("enqueued_at", flat=True))
+    wait_for(lambda: timezone.now() - last_handover > SEND_LAG, timeout=5, message="the send lag to pass")
+    backlog = [services.task_create(type="test.interruptible", params=BACKLOG_TASK).pk
+               for _ in range(REAL_BACKLOG)]
+    assert Task.objects.filter(pk__in=prefetched, lease_epoch=0).count() == 4  # taken, not started
+    survivor = start_workers(2, **env)
+    wait_for(lambda: len(survivor.worker_pids()) >= 2, timeout=60, message="the surviving cluster's workers")
+
+    doomed.stop()  # kill -9 of its whole process group: the prefetched messages die with it
+    for task_id in blockers:
+        services.task_terminate(task_id=task_id, reason="test: blocker")
+    start_sweeper(ORCH_REQUEUE_AFTER_SECONDS=REQUEUE_AFTER, **{k: v for k, v in env.items()
+                                                               if k != "ORCH_REQUEUE_AFTER_SECONDS"})
+
+    def backlog_left() -> int:
+        return Task.objects.filter(pk__in=backlog).exclude(status="completed").count()
+
+    _, left_when_done = wait_for(
+        lambda: ("done", backlog_left()) if Task.objects.filter(pk__in=prefetched, status="completed").count() == 4
+        else None, timeout=REQUEUE_AFTER + MARGIN, message="the prefetched tasks to run again")
+    # They went first: most of the backlog, sent after them, was still waiting.
+    assert left_when_done > REAL_BACKLOG // 2, f"only {left_when_done} of {REAL_BACKLOG} backlog tasks were left"
+    assert_each_step_ran_once(prefetched)
+
+
+def test_a_look_at_redis_skips_what_was_put_first_and_tells_nothing_from_an_empty_list(private_redis, monkeypatch):
+    """What the sweeper's look sees (no workers here: the messages stay in the list). A task
+    re-sent first is out of FIFO order: the oldest message still waiting is found behind it, or
+    every waiting task would look stranded and be put first in turn. An empty list (a Redis
+    restart) has no queue to jump: nothing is told apart."""
+    from django_q.signing import SignedPackage
+
+    from orchestrator.engine import scheduler, stranded
+
+    monkeypatch.setattr(Conf, "ORM", None)
+    monkeypatch.setattr(Conf, "BROKER_CLASS", None)
+    monkeypatch.setattr(Conf, "REDIS", private_redis.url)
+    assert stranded.look() is None  # empty list
+    old = services.task_create(type="demo.pipeline", params=SHORT)
+    wait_for(lambda: timezone.now() - Task.objects.get(pk=old.pk).enqueued_at > stranded.SEND_LAG, timeout=5,
+             message="the send lag to pass")
+    waiting, newer = (services.task_create(type="demo.pipeline", params=SHORT) for _ in range(2))
+    import redis
+
+    client = redis.Redis.from_url(private_redis.url)
+    taken = client.lpop("django_q:orchestrator:q")  # a cluster takes the oldest message (and dies)
+    assert SignedPackage.loads(taken)["args"] == (old.pk,)
+    scheduler.send_first(newer.pk)  # a duplicate put first
+    assert SignedPackage.loads(client.lindex("django_q:orchestrator:q", 0))["args"] == (newer.pk,)
+    view = stranded.look()
+    head = Task.objects.get(pk=waiting.pk).enqueued_at
+    assert view.kind == "redis" and head <= view.head_sent_at < head + timedelta(seconds=1)
+    old, waiting = Task.objects.get(pk=old.pk), Task.objects.get(pk=waiting.pk)
+    assert view.stranded(old.pk, old.enqueued_at)  # its message left the list and never ran
+    assert not view.stranded(waiting.pk, waiting.enqueued_at)  # its message is the head
+    assert not view.stranded(newer.pk, Task.objects.get(pk=newer.pk).enqueued_at)

@@ -5,7 +5,8 @@ import pytest
 from orchestrator.engine import inbox, services, snapshots
 from orchestrator.engine.inbox import InboxRefused
 from orchestrator.engine.worker import drive_inline
-from orchestrator.models import DemoContractExtraction, InboundEvent, Step, Task, TaskEvent
+from orchestrator.models import InboundEvent, Step, Task, TaskEvent
+from demo.models import DemoContractExtraction
 from tests.support import helpers
 
 pytestmark = pytest.mark.django_db(transaction=True)

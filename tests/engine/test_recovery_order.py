@@ -38,6 +38,7 @@ def test_a_recovered_task_runs_before_the_tasks_queued_behind_it(broker, request
         env["REDIS_URL"] = redis_url
         # This process sends the tasks' messages (task_create): to the workers' Redis.
         monkeypatch.setattr(Conf, "ORM", None)
+        monkeypatch.setattr(Conf, "BROKER_CLASS", None)
         monkeypatch.setattr(Conf, "REDIS", redis_url)
     start_workers(1, **env)
     ids = [services.task_create(type="test.interruptible", params={"mode": "sleep", "steps": STEPS, "seconds": 0.25}).pk

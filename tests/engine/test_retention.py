@@ -112,7 +112,7 @@ def test_after_pruning_a_late_replay_is_refused_before_any_effect_and_a_late_eve
     from orchestrator.engine import inbox
     from orchestrator.engine.lease import Lease, LeaseLost
     from orchestrator.engine.wal import perform
-    from orchestrator.models import DemoDestination
+    from demo.models import DemoDestination
     from orchestrator.primitives.cancellation import CancellationToken
 
     settings.ORCH_RETAIN_WAL_DAYS = 90
@@ -140,3 +140,57 @@ def test_after_pruning_a_late_replay_is_refused_before_any_effect_and_a_late_eve
         inbox.send(task_id=task.pk, type="message", payload={"text": "hello again"}, source="webhook:crm",
                    source_event_id="crm-1")
     assert refused.value.status == 409 and "takes no more events" in str(refused.value)
+
+
+def test_webhook_deliveries_that_are_over_go_after_their_window_and_pending_ones_never(settings, capsys):
+    from orchestrator.models import DeliveryStatus, NotificationDelivery, NotificationSubscription
+
+    settings.ORCH_RETAIN_NOTIFICATIONS_DAYS = 30
+    subscription = NotificationSubscription.objects.create(name="ops", url="https://hooks.example.org/x",
+                                                           secret="whsec_dGVzdA==")
+    made = {}
+    for name, status, days_ago in (("old delivered", DeliveryStatus.DELIVERED, 40),
+                                   ("old given up", DeliveryStatus.FAILED, 31),
+                                   ("old pending", DeliveryStatus.PENDING, 100),  # still to be sent: kept
+                                   ("recent delivered", DeliveryStatus.DELIVERED, 29)):
+        row = NotificationDelivery.objects.create(subscription=subscription, message_id=f"msg_{len(made)}",
+                                                  event="approval.requested", status=status)
+        NotificationDelivery.objects.filter(pk=row.pk).update(created_at=timezone.now() - timedelta(days=days_ago))
+        made[name] = row.pk
+
+    record = retention.run()
+
+    assert record.error == "" and record.notifications_deleted == 2
+    assert sorted(NotificationDelivery.objects.values_list("pk", flat=True)) == \
+        sorted([made["old pending"], made["recent delivered"]])
+    # 0 turns the rule off; the command says what it deleted.
+    NotificationDelivery.objects.filter(pk=made["recent delivered"]).update(
+        created_at=timezone.now() - timedelta(days=400))
+    settings.ORCH_RETAIN_NOTIFICATIONS_DAYS = 0
+    call_command("retention")
+    assert "0 webhook deliveries, " in capsys.readouterr().out
+    assert NotificationDelivery.objects.count() == 2
+    settings.ORCH_RETAIN_NOTIFICATIONS_DAYS = 30
+    call_command("retention")
+    assert "1 webhook deliveries, " in capsys.readouterr().out
+    assert list(NotificationDelivery.objects.values_list("pk", flat=True)) == [made["old pending"]]
+
+
+def test_rows_of_rejected_webhooks_go_after_their_last_repeat_and_their_audit_entry_stays(settings):
+    from orchestrator.models import WebhookRejection
+
+    settings.ORCH_RETAIN_WEBHOOK_REJECTIONS_DAYS = 30
+    now = timezone.now()
+    old = WebhookRejection.objects.create(reason="bad signature", ip="203.0.113.9", count=500,
+                                          last_at=now - timedelta(days=31))
+    repeated = WebhookRejection.objects.create(reason="bad signature", ip="203.0.113.10", count=3,
+                                               last_at=now - timedelta(days=2))  # first seen long ago, seen again
+    WebhookRejection.objects.filter(pk=repeated.pk).update(first_at=now - timedelta(days=300))
+    AuditEntry.objects.create(actor_name="system", action="webhook.rejected", after={"rejection_id": old.pk})
+    record = retention.run()
+    assert record.error == "" and record.webhook_rejections_deleted == 1
+    assert list(WebhookRejection.objects.values_list("pk", flat=True)) == [repeated.pk]
+    assert AuditEntry.objects.filter(action="webhook.rejected", after__rejection_id=old.pk).exists()
+    settings.ORCH_RETAIN_WEBHOOK_REJECTIONS_DAYS = 0  # off
+    WebhookRejection.objects.filter(pk=repeated.pk).update(last_at=now - timedelta(days=1000))
+    assert retention.run().webhook_rejections_deleted == 0 and WebhookRejection.objects.count() == 1

@@ -6,7 +6,8 @@ import pytest
 
 from orchestrator.engine import revisions, services
 from orchestrator.engine.worker import drive_inline
-from orchestrator.models import AuditEntry, DemoDestination, DemoSource, Snapshot, Step, Task, WalEntry
+from orchestrator.models import AuditEntry, Snapshot, Step, Task, WalEntry
+from demo.models import DemoDestination, DemoSource
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -8,7 +8,8 @@ from django.utils import timezone
 from orchestrator.engine import checkpoint, lease as leases, services, wal
 from orchestrator.engine.lease import LeaseLost
 from orchestrator.engine.worker import drive_inline
-from orchestrator.models import DemoDestination, DemoSource, Snapshot, Step, Task, TaskEvent, WalEntry
+from orchestrator.models import Snapshot, Step, Task, TaskEvent, WalEntry
+from demo.models import DemoDestination, DemoSource
 from orchestrator.tasktypes import get_type
 
 pytestmark = pytest.mark.django_db(transaction=True)

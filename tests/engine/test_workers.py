@@ -6,7 +6,8 @@ from django.db.models import F
 from django.utils import timezone
 
 from orchestrator.engine import processes, recovery, services
-from orchestrator.models import DemoDestination, DemoSource, Snapshot, Step, Task, TaskEvent, WalEntry
+from orchestrator.models import Snapshot, Step, Task, TaskEvent, WalEntry
+from demo.models import DemoDestination, DemoSource
 from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]

@@ -293,7 +293,9 @@ def test_the_task_page_links_to_its_reviews_and_the_export(viewer, review_item):
     Task.objects.filter(pk=review_item.task_id).update(status="needs_human")
     page = client.get(f"/tasks/{review_item.task_id}/").content.decode()
     assert 'data-testid="needs-human-callout"' in page
-    assert f'href="/review/?task={review_item.task_id}"' not in page
+    # One callout at a time: the review callout gives way; the open item's wait still links to it.
+    assert 'data-testid="review-callout"' not in page
+    assert page.count(f'href="/review/?task={review_item.task_id}"') == 1 and 'data-testid="review-wait"' in page
     export = client.get(f"/api/tasks/{review_item.task_id}/export")
     assert export.status_code == 200
     assert json.loads(export.content)["reviews"][0]["id"] == review_item.pk
@@ -321,6 +323,7 @@ def test_an_approval_item_shows_the_proposed_call_and_a_rejection_goes_into_the_
     assert (item.status, item.decision) == ("decided", "reject")
     event = InboundEvent.objects.get(task=task, type="approval.decided")
     assert event.payload == {"approved": False, "approval_id": str(item.pk), "call_id": "call_7",
-                             "arguments_sha256": "", "note": "wrong recipient", "arguments": None}
+                             "arguments_sha256": "", "note": "wrong recipient", "arguments": None,
+                             "expired": False}
     assert event.source == "review"
     assert AuditEntry.objects.filter(action="review.approval", task=task).exists()

@@ -143,10 +143,10 @@ def test_an_agent_created_with_only_a_goal_gets_the_read_only_tools_and_every_at
     script = attack_script(dashboard=dashboard, collector=collector)
     with AttackerModel(script) as model:
         task = run_attack(model, settings, actor=operator, params={})
-        assert task.params["tools"] == toolbox.SAFE_DEFAULT
+        assert task.params["tools"] == toolbox.safe_default()
         assert drive_inline(task.pk) == "completed"
         offered = {t["function"]["name"] for t in model.requests[0]["tools"]}
-        assert offered == set(toolbox.SAFE_DEFAULT) == {"contracts_list", "contracts_read", "memory_search"}
+        assert offered == set(toolbox.safe_default()) == {"contracts_list", "contracts_read", "memory_search"}
         results = tool_results(Task.objects.get(pk=task.pk))
         assert len(results) == len(script)
         for call_id, text in results.items():
@@ -248,7 +248,7 @@ def test_an_operator_cannot_edit_a_paused_agent_into_host_tools(settings, operat
         revisions.apply_edit(task_id=task.pk, new_params=revisions.edited_params(task, {"tools": ["shell_run"]}),
                              expected_version=None, actor=operator)
     assert "only an admin may grant shell_run" in str(refused.value)
-    assert Task.objects.get(pk=task.pk).params["tools"] == toolbox.SAFE_DEFAULT
+    assert Task.objects.get(pk=task.pk).params["tools"] == toolbox.safe_default()
 
 
 def harness_tables() -> list[str]:

@@ -13,7 +13,7 @@ from django.core.checks import run_checks
 from django.core.management import call_command
 from django.db import DatabaseError, connection, transaction
 
-from orchestrator.models import DemoContractExtraction, DemoDestination, DemoSource
+from demo.models import DemoContractExtraction, DemoDestination, DemoSource
 from orchestrator.tools import dbread
 from orchestrator.tools.base import ToolError
 from orchestrator.tools.dbread import read_only_query
@@ -54,8 +54,7 @@ def test_the_deny_list_holds_every_harness_table_of_the_apps_registry():
     assert set(MUST_DENY) <= denied
     for model in apps.get_models(include_auto_created=True):
         table = model._meta.db_table
-        assert dbread.is_denied(table) == (not (model._meta.app_label == "orchestrator" and
-                                                table.startswith("demo_"))), table
+        assert dbread.is_denied(table) == (model._meta.app_label != "demo"), table
     for table in ("django_migrations", "sqlite_master", "pg_authid", "orchestrator_newthing", "AUTH_USER"):
         assert dbread.is_denied(table)
 

@@ -4,7 +4,7 @@ Expected values were written by hand from the sample texts.
 """
 import pytest
 
-from orchestrator.tasktypes.contract_extraction import SAMPLES_DIR, extract, list_samples
+from demo.tasktypes.contract_extraction import SAMPLES_DIR, extract, list_samples
 
 
 def usd(v):

@@ -7,7 +7,7 @@ import pytest
 from orchestrator.engine import services
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import Step, Task
-from orchestrator.tasktypes.contract_extraction import SAMPLES_DIR
+from demo.tasktypes.contract_extraction import SAMPLES_DIR
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -9,7 +9,7 @@ import pytest
 from orchestrator.engine import inbox, preemption, services, snapshots
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import InboundEvent, Step, Task
-from orchestrator.tasktypes.pipeline import work_dir
+from demo.tasktypes.pipeline import work_dir
 from tests.support import helpers
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -1,10 +1,12 @@
 from django.core.management.base import BaseCommand
 
 from orchestrator.engine.recovery import sweep, sweep_loop
+from orchestrator.notifications import courier
 
 
 class Command(BaseCommand):
-    help = "Recover tasks whose worker died: one sweep, or --loop to keep sweeping."
+    help = ("Recover tasks whose worker died: one sweep, or --loop to keep sweeping (and to send the "
+            "notification webhooks that are due: docs/notifications.md).")
 
     def add_arguments(self, parser):
         parser.add_argument("--loop", action="store_true")
@@ -13,6 +15,7 @@ class Command(BaseCommand):
     def handle(self, *args, loop, interval, **options):
         if loop:
             self.stdout.write("sweeping for stale tasks (Ctrl-C stops)")
+            courier.start(min(interval or 1.0, 1.0))
             sweep_loop(interval)
         recovered = sweep()
         self.stdout.write(f"recovered {len(recovered)} task(s): {', '.join(map(str, recovered)) or '-'}")

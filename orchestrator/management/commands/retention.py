@@ -14,8 +14,11 @@ class Command(BaseCommand):
         self.stdout.write(
             f"retention: {record.tasks} task(s); {record.stream_events_deleted} stream event(s), "
             f"{record.events_deleted} progress event(s) compacted, {record.wal_deleted} WAL row(s), "
-            f"{record.idempotency_deleted} idempotency record(s) deleted "
+            f"{record.idempotency_deleted} idempotency record(s), "
+            f"{record.notifications_deleted} webhook deliveries, "
+            f"{record.webhook_rejections_deleted} webhook rejection row(s) deleted "
             f"(rules: stream {rules['stream_events_days']:g} d, events {rules['events_days']:g} d, "
-            f"WAL {rules['wal_days']:g} d; at most {rules['batch_tasks']} tasks per rule per run)")
+            f"WAL {rules['wal_days']:g} d, webhook deliveries {rules['notifications_days']:g} d, "
+            f"webhook rejections {rules['webhook_rejections_days']:g} d; at most {rules['batch_tasks']} tasks per rule per run)")
         if record.error:
             self.stderr.write(f"stopped early: {record.error}")

@@ -8,9 +8,9 @@ from decimal import Decimal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestrator.sdk import StepSpec, TaskType, register_task_type
+
 from ..models import DemoSource
-from . import register
-from .base import StepSpec, TaskType
 
 CENTS = Decimal("0.0001")
 SEED_CHUNK = 5000
@@ -32,7 +32,7 @@ def batch_ranges(rows: int, batch_size: int) -> list[tuple[int, int]]:
     return [(start, min(start + batch_size - 1, rows)) for start in range(1, rows + 1, batch_size)]
 
 
-@register
+@register_task_type
 class MigrateRows(TaskType):
     name = "demo.migrate_rows"
     title = "Migrate rows"

@@ -13,8 +13,7 @@ from decimal import Decimal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import register
-from .base import StepSpec, TaskType
+from orchestrator.sdk import StepSpec, TaskType, register_task_type
 from .contract_extraction import EXTRACTORS, SAMPLES_DIR, list_samples, read_contract
 
 STEP_PREFIX = "contract-"
@@ -34,7 +33,7 @@ def _step_id(index: int) -> str:
     return f"{STEP_PREFIX}{index:02d}"
 
 
-@register
+@register_task_type
 class Contracts(TaskType):
     name = "demo.contracts"
     title = "Extract contract terms"

@@ -4,8 +4,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from . import register
-from .base import StepSpec, TaskType
+from orchestrator.sdk import StepSpec, TaskType, register_task_type
 
 ADDRESS = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$|^[^@\s]+@localhost$")
 
@@ -28,7 +27,7 @@ class NotifyParams(BaseModel):
         return cleaned
 
 
-@register
+@register_task_type
 class Notify(TaskType):
     name = "demo.notify"
     title = "Send notifications"

@@ -1,0 +1,110 @@
+"""Tasks whose broker message a worker cluster took and never ran: stranded in a dead host's
+prefetch, told apart from the tasks merely waiting in the broker so that they go first.
+
+A django-q2 cluster takes messages ahead of running them (its internal queue, up to workers²
+of them): Redis pops them, the ORM broker locks their rows for `retry`. When a host dies,
+those tasks are waiting in the database, nobody will run them, and the sweeper re-sends them
+after ORCH_REQUEUE_AFTER_SECONDS (recovery.requeue_unclaimed). Re-sent to the back of a long
+queue they would wait for every message ahead of them: minutes behind a real backlog
+(bench/hosts.py counted them). So the sweeper's pass looks at the broker once (`look`) and
+puts the stranded ones first:
+
+- Redis: the list is FIFO. A task whose last hand-over is older than the oldest message
+  still waiting there (its head; messages put first are skipped, they are out of order) has
+  no message in the list any more: a cluster took it and did not run it. It is re-sent to
+  the front of the list (scheduler.send_first: LPUSH).
+- ORM: a message a cluster took is a row locked until `retry` (twice ORCH_JOB_TIMEOUT_SECONDS:
+  hours); a waiting task with such a row was taken and not run. It is re-sent ahead of every
+  other row (brokers.OrderedORM, which takes rows by id: an id below the smallest). The
+  locked row comes back after `retry` as a duplicate (harmless: a claim ignores it).
+
+Tasks in a live cluster's prefetch look the same. They are at most workers² per cluster, and
+going first only moves them up a little (the live cluster's own copy then finds the task
+claimed: harmless). Nothing here makes a running task give up its slot (unlike a recovery:
+lease.should_yield_to_recovered). An empty Redis list has no queue to jump, so nothing is told
+apart (after a Redis restart every waiting task is re-sent, in order, as before).
+"""
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.utils import timezone
+
+log = logging.getLogger(__name__)
+
+# A hand-over is recorded (enqueued_at) before its message is sent (after the commit): a task
+# is taken for stranded only when its last hand-over is older than the head by this much. Small:
+# a dead host took its messages from the head of the list, and those behind them were often sent
+# within milliseconds (a burst of tasks, a pass of re-sends). A send that lags more (a long
+# transaction) may make a waiting task go first once: harmless (a duplicate message).
+SEND_LAG = timedelta(seconds=0.1)
+# How far into the Redis list to look for the oldest message not put first.
+HEAD_SCAN = 200
+
+
+@dataclass
+class BrokerView:
+    """What one look at the broker tells: Redis, when the oldest message still waiting in FIFO
+    order was sent (`head_sent_at`); ORM, which tasks have a row a cluster took (`taken`)."""
+
+    kind: str
+    head_sent_at: datetime | None = None
+    taken: set[int] = field(default_factory=set)
+
+    def stranded(self, task_id: int, enqueued_at: datetime | None) -> bool:
+        """Whether the task's messages have all left the broker without being run (Redis), or
+        one of them was taken and not run (ORM)."""
+        if self.kind == "orm":
+            return task_id in self.taken
+        return enqueued_at is not None and self.head_sent_at is not None and enqueued_at < self.head_sent_at - SEND_LAG
+
+
+def look() -> BrokerView | None:
+    """One look at the broker for the sweeper's pass; None when it cannot tell (another broker,
+    an empty Redis list, an unreadable message, the broker down)."""
+    from django_q.brokers import get_broker
+    from django_q.brokers.redis_broker import Redis
+
+    from .brokers import OrderedORM
+
+    broker = get_broker()
+    try:
+        if isinstance(broker, Redis):
+            sent_at = _fifo_head_sent_at(broker)
+            return BrokerView("redis", head_sent_at=sent_at) if sent_at is not None else None
+        if isinstance(broker, OrderedORM):  # django-q2's own ORM broker has no front to put anything at
+            return BrokerView("orm", taken=_taken_from_orm(broker))
+    except Exception as exc:  # a hint only: without it the tasks are re-sent as before
+        log.warning("could not look at the broker for stranded messages: %s: %s", type(exc).__name__, exc)
+    return None
+
+
+def _drive_task_id(package: dict) -> int | None:
+    from .scheduler import DRIVE
+
+    args = package.get("args") or ()
+    return args[0] if package.get("func") == DRIVE and args and isinstance(args[0], int) else None
+
+
+def _fifo_head_sent_at(broker) -> datetime | None:
+    from django_q.signing import SignedPackage
+
+    from .scheduler import FIRST_PREFIX
+
+    for raw in broker.connection.lrange(broker.list_key, 0, HEAD_SCAN - 1):
+        package = SignedPackage.loads(raw)
+        if not str(package.get("name") or "").startswith(FIRST_PREFIX):
+            return package.get("started")
+    return None
+
+
+def _taken_from_orm(broker) -> set[int]:
+    from django_q.signing import SignedPackage
+
+    locked = broker.get_connection().filter(key=broker.list_key, lock__gt=timezone.now())
+    taken = set()
+    for payload in locked.values_list("payload", flat=True):
+        task_id = _drive_task_id(SignedPackage.loads(payload))
+        if task_id is not None:
+            taken.add(task_id)
+    return taken

@@ -1,0 +1,68 @@
+"""The ORM broker takes the oldest message first (engine/brokers.py). django-q2's own takes rows
+in the table's physical order: on PostgreSQL, new rows reuse the room acknowledged ones left,
+ahead of older messages, so a message put back in the queue (engine/stranded.py) could wait
+behind every newer one (bench/hosts.py saw it wait more than 120 s)."""
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+from django_q.models import OrmQ
+
+from orchestrator.engine.brokers import OrderedORM
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+KEY = "test-order"
+
+
+def test_the_orm_broker_takes_the_oldest_message_first_whatever_the_tables_order():
+    broker = OrderedORM(list_key=KEY)
+    first = [broker.enqueue(f"old-{i}") for i in range(400)]
+    OrmQ.objects.filter(pk__in=first[:300]).delete()  # acknowledged: their room is free
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(f"VACUUM {OrmQ._meta.db_table}")  # ... and reusable
+    newer = [broker.enqueue(f"new-{i}") for i in range(50)]
+    if connection.vendor == "postgresql":
+        # The precondition: in the table's order (what django-q2's query returns first) a newer
+        # message comes before the 100 older ones still waiting.
+        physical = list(OrmQ.objects.filter(key=KEY, lock__lt=timezone.now()).values_list("pk", flat=True)[:1])
+        assert physical[0] in newer, "the table kept its order: nothing to test on this PostgreSQL"
+    waiting = first[300:]
+    taken = [broker.dequeue()[0] for _ in range(3)]
+    assert taken == [(waiting[0], "old-300"), (waiting[1], "old-301"), (waiting[2], "old-302")]
+    # A taken row is locked (for django-q2's `retry`), and a row put back (its lock released)
+    # goes first again: its place is its id.
+    OrmQ.objects.filter(pk=waiting[1]).update(lock=timezone.now() - timedelta(seconds=1))
+    assert broker.dequeue()[0] == (waiting[1], "old-301")
+    assert broker.dequeue()[0] == (waiting[3], "old-303")
+
+
+def test_a_message_put_first_goes_before_every_waiting_one(monkeypatch):
+    """enqueue_first (what the sweeper uses for a task whose message a dead host took): an id
+    below the smallest in the table, so it is taken next; two put first go newest first, as
+    LPUSH on Redis; then the queue goes on in its order."""
+    broker = OrderedORM(list_key=KEY)
+    waiting = [broker.enqueue(f"m-{i}") for i in range(5)]
+    broker.dequeue()  # a cluster took m-0 (its row stays, locked)
+    first = broker.enqueue_first("stranded-a")
+    second = broker.enqueue_first("stranded-b")
+    assert second < first < min(waiting)
+    assert [broker.dequeue()[0][1] for _ in range(4)] == ["stranded-b", "stranded-a", "m-1", "m-2"]
+    # The sweeper and the send that goes with it: through the scheduler, as a message it sends.
+    from django_q.signing import SignedPackage
+
+    from django_q.conf import Conf
+
+    from orchestrator.engine import scheduler
+
+    # Under this test's own key: a cluster another test left running takes (and deletes) messages
+    # under the installation's (seen in CI: the row gone before the assert). And on the ordered ORM
+    # broker whatever the run's broker is (with REDIS_URL, send_first would LPUSH to Redis).
+    monkeypatch.setattr(Conf, "CLUSTER_NAME", KEY)
+    monkeypatch.setattr(Conf, "BROKER_CLASS", "orchestrator.engine.brokers.OrderedORM")
+    monkeypatch.setattr(Conf, "ORM", "default")
+    assert scheduler.send_first(4242)
+    row = OrmQ.objects.order_by("id").first()
+    assert row.id < second and SignedPackage.loads(row.payload)["args"] == (4242,)
