@@ -14,31 +14,11 @@ from django.utils.html import format_html
 from django.utils.http import urlencode
 
 from . import roles
-from .admin import GuardedChangelistAdmin
+from .admin import AdminsOnly, GuardedChangelistAdmin
 from .engine.audit import audit
 from .models import DeliveryStatus, NotificationDelivery, NotificationSubscription
 from .notifications import EVENTS
 from .notifications import outbox
-
-
-class AdminsOnly:
-    """Every permission, viewing included, for superusers only (a staff user's model
-    permissions do not open it)."""
-
-    def has_module_permission(self, request):
-        return roles.is_admin(request.user)
-
-    def has_view_permission(self, request, obj=None):
-        return roles.is_admin(request.user)
-
-    def has_add_permission(self, request, *args):
-        return roles.is_admin(request.user)
-
-    def has_change_permission(self, request, obj=None):
-        return roles.is_admin(request.user)
-
-    def has_delete_permission(self, request, obj=None):
-        return roles.is_admin(request.user)
 
 
 class SubscriptionForm(forms.ModelForm):

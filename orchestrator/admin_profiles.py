@@ -8,6 +8,7 @@ declares is refused: the environment's profile wins, so this one would never be 
 from django import forms
 from django.contrib import admin
 
+from .admin import AdminsOnly
 from .engine.audit import audit
 from .llm import profiles
 from .models import ModelProfile
@@ -54,8 +55,10 @@ class ModelProfileForm(forms.ModelForm):
 
 
 @admin.register(ModelProfile)
-class ModelProfileAdmin(admin.ModelAdmin):
-    """Model servers an agent task may pick with `model` (besides LLM_MODELS' and the default)."""
+class ModelProfileAdmin(AdminsOnly, admin.ModelAdmin):
+    """Model servers an agent task may pick with `model` (besides LLM_MODELS' and the default).
+    Admins only: a staff user who could change `base_url` would have the stored key sent to a
+    server of their choosing."""
 
     form = ModelProfileForm
     list_display = ("name", "model", "base_url", "key", "context_window", "price_input_per_million",

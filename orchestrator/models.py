@@ -462,6 +462,9 @@ class AgentMessage(models.Model):
     # summary: what it stands for: {"first_turn", "last_turn", "last_message_id", "digest", "messages"}
     # (the rows of turns first..last with ids up to last_message_id; digest: sha256 of their text).
     summary_of = models.JSONField(null=True, blank=True)
+    # An attempt asked in background mode: the server's response id, recorded before the first
+    # token, so that the step run after a crash retrieves the response instead of asking again.
+    response_id = models.CharField(max_length=200, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -488,6 +491,7 @@ class ModelCallAttempt(models.Model):
         REFUSED = "refused", "refused by the server"
         FAILED = "failed", "failed (attempts used up)"
         LOST = "lost", "lost with its process"
+        REATTACHED = "reattached", "completed, retrieved after its process died"
 
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="model_attempts")
     step_id = models.CharField(max_length=200)
@@ -616,6 +620,9 @@ class ModelProfile(models.Model):
                                                   help_text="the server takes stream_options.include_usage")
     send_reasoning_back = models.BooleanField(default=False,
                                               help_text="send reasoning_content back in later requests")
+    background_responses = models.BooleanField(
+        default=False, help_text="the server keeps background responses (the Responses API's background mode, as "
+                                 "OpenAI's): a turn cut by a crash is retrieved, not paid for again")
     enabled = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

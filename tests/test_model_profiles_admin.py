@@ -80,3 +80,24 @@ def test_a_name_llm_models_declares_is_refused(admin_client, settings):
     response = admin_client.post(add_url(), form(name="bad name", api_key=KEY))
     assert response.status_code == 200 and not ModelProfile.objects.exists()
     assert KEY not in response.content.decode()  # a refused form does not echo the key either
+
+
+def test_a_staff_user_given_every_permission_on_profiles_still_cannot_open_them(client, make_user):
+    # A profile's base_url decides where its key is sent: a staff user who could change it would
+    # have the key sent to a server of their choosing. Admins (superusers) only, viewing included,
+    # whatever model permissions a staff user was given.
+    from django.contrib.auth.models import Permission
+
+    profile = ModelProfile.objects.create(name="gpu", base_url="http://gpu-1:8000/v1", model="m", api_key=KEY)
+    staff = make_user("stan", "operator")
+    staff.is_staff = True
+    staff.save()
+    staff.user_permissions.set(Permission.objects.filter(content_type__model="modelprofile"))
+    assert staff.has_perm("orchestrator.change_modelprofile")  # what Django alone would let through
+    client.force_login(staff)
+    listing = reverse("admin:orchestrator_modelprofile_changelist")
+    for url in (listing, add_url(), change_url(profile)):
+        assert client.get(url).status_code == 403, url
+    assert client.post(change_url(profile), form(base_url="http://attacker.example/v1")).status_code == 403
+    assert ModelProfile.objects.get().base_url == "http://gpu-1:8000/v1"
+    assert listing not in client.get(reverse("admin:index")).content.decode()

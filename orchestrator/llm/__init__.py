@@ -13,6 +13,7 @@ from .client import (
     LLMContextExceeded,
     LLMError,
     LLMRequestRejected,
+    LLMResponseGone,
     LLMStreamCut,
     LLMUnavailable,
     RetryPolicy,
@@ -26,6 +27,6 @@ from .client import (
 
 __all__ = [
     "Completion", "LLMBadResponse", "LLMCancelled", "LLMClient", "LLMContextExceeded", "LLMError", "LLMRequestRejected",
-    "LLMStreamCut", "LLMUnavailable", "RetryPolicy", "ToolCall", "Usage", "chat", "client_from_settings",
+    "LLMResponseGone", "LLMStreamCut", "LLMUnavailable", "RetryPolicy", "ToolCall", "Usage", "chat", "client_from_settings",
     "function_tool", "tool_result_message",
 ]

@@ -49,6 +49,18 @@ from typing import Any, Protocol
 import openai
 
 from ..primitives.cancellation import Cancelled
+from . import responses
+from .results import (
+    CHARACTERS_PER_TOKEN,
+    Completion,
+    FailedAttempt,
+    ToolCall,
+    Usage,
+    estimate_prompt_tokens,
+    estimate_tokens,
+    function_tool,
+    tool_result_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,118 +69,6 @@ logger = logging.getLogger(__name__)
 # such a server pays for the rejected request.
 _LEGACY_TOKEN_PARAMETER_SERVERS: set[str] = set()
 _LEGACY_LOCK = threading.Lock()
-
-# The usual rule of thumb when no tokenizer is at hand (one that needs a download is not
-# available offline): about four characters per token.
-CHARACTERS_PER_TOKEN = 4
-
-
-# --- results ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A tool call as the model sent it; `arguments` is the raw JSON text, unparsed."""
-    id: str
-    name: str
-    arguments: str
-
-    def parsed_arguments(self) -> dict:
-        """The arguments as a dict; ValueError (with a message fit to send back to the model
-        as the tool result) when they are not a JSON object."""
-        try:
-            value = json.loads(self.arguments or "{}")
-        except ValueError as exc:
-            raise ValueError(f"The arguments of {self.name} are not valid JSON ({exc}): "
-                             f"{self.arguments[:200]!r}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"The arguments of {self.name} must be a JSON object, got {type(value).__name__}")
-        return value
-
-    def arguments_are_complete(self) -> bool:
-        try:
-            json.loads(self.arguments or "{}")
-        except ValueError:
-            return False
-        return True
-
-    def wire_format(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    # True when the server sent no usage (an interrupted stream, or a server that does not
-    # report it) and these numbers are characters / 4.
-    estimated: bool = False
-    # Of prompt_tokens, those the server served from its prompt cache (usage.prompt_tokens_details).
-    cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class FailedAttempt:
-    """One attempt of a call that failed (and was retried, or was the last): what the server
-    said, and the prompt tokens it read (estimated; 0 when it refused unread: 429, 503, no
-    connection)."""
-    reason: str
-    status_code: int | None
-    prompt_tokens: int
-
-
-@dataclass
-class Completion:
-    content: str
-    tool_calls: list[ToolCall]
-    finish_reason: str | None  # "stop", "tool_calls", "length", ...; None if the stream ended early
-    usage: Usage
-    model: str
-    response_id: str | None = None
-    stream_cut: bool = False   # the stream ended before the server finished the message
-    cancelled: bool = False    # the caller's cancel hook ended it
-    # Tool calls of a partial answer whose arguments were incomplete JSON (not in tool_calls).
-    dropped_tool_calls: list[ToolCall] = field(default_factory=list)
-    attempts: int = 1
-    # Prompt tokens (estimated) of the earlier attempts of this call that the server took in
-    # before failing (see _Retry.spent): a budget counts every attempt, not only the last.
-    retry_tokens: int = 0
-    # Each earlier attempt of this call that failed and was retried, as the ledger records it.
-    failed_attempts: list["FailedAttempt"] = field(default_factory=list)
-    # The model's reasoning (reasoning_content / reasoning deltas), apart from `content`.
-    reasoning: str = ""
-
-    @property
-    def partial(self) -> bool:
-        return self.stream_cut or self.cancelled
-
-    def assistant_message(self, *, include_reasoning: bool = False) -> dict:
-        """The assistant message to append to the history (wire format). Every tool call in
-        it must be answered by one `tool` message (`tool_result_message`) before the next
-        call, or servers refuse the conversation. The reasoning goes back (as
-        `reasoning_content`) only with `include_reasoning`: some servers reject the field."""
-        message: dict[str, Any] = {"role": "assistant", "content": self.content or None}
-        if include_reasoning and self.reasoning:
-            message["reasoning_content"] = self.reasoning
-        if self.tool_calls:
-            message["tool_calls"] = [call.wire_format() for call in self.tool_calls]
-        return message
-
-
-def tool_result_message(tool_call_id: str, content: str | dict | list) -> dict:
-    """The `tool` message answering one tool call (non-string content is sent as JSON)."""
-    text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
-    return {"role": "tool", "tool_call_id": tool_call_id, "content": text}
-
-
-def function_tool(name: str, description: str, parameters: dict | None = None) -> dict:
-    """A tool offered to the model, in the Chat Completions `tools` format."""
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": parameters or {"type": "object", "properties": {}}}}
-
-
-# --- errors ----------------------------------------------------------------------------
 
 class LLMError(Exception):
     """A model call that did not produce a complete answer. `partial` is what had arrived
@@ -200,6 +100,10 @@ class LLMContextExceeded(LLMRequestRejected):
 class LLMStreamCut(LLMError):
     """The stream ended (connection closed or silent past the read timeout) before the
     server finished the message; `partial` holds what arrived."""
+
+
+class LLMResponseGone(LLMError):
+    """A background response cannot be given back (gone, failed, or the server is away): ask again."""
 
 
 class LLMBadResponse(LLMError):
@@ -429,12 +333,16 @@ class LLMClient:
              temperature: float | None = None, max_tokens_cap: int | None = None,
              on_token: Callable[[str], None] | None = None, cancel: CancelHook = None,
              timeout: float | None = None, tool_choice: str | dict | None = None,
-             on_reasoning: Callable[[str], None] | None = None) -> Completion:
+             on_reasoning: Callable[[str], None] | None = None, background: bool = False,
+             on_response_id: Callable[[str], None] | None = None) -> Completion:
         """Stream one assistant message. `messages`/`tools` are in the Chat Completions wire
         format; `max_tokens_cap` caps the completion (sent as `max_completion_tokens`, or
         `max_tokens` to servers that only know that); `on_token(piece)` receives each piece of
         content text as it arrives, `on_reasoning(piece)` each piece of reasoning; `cancel` is a CancellationToken or a callable returning
         True to stop; `timeout` overrides the read timeout (seconds of silence allowed).
+        `background`: ask through the Responses API in background mode (responses.py): the
+        server keeps the response whatever happens to this process, and `on_response_id(id)`
+        is called with its id before the first token, for `reattach`.
 
         Returns a complete Completion, or raises an LLMError subclass (see the module doc)."""
         model = model or self.model
@@ -461,8 +369,13 @@ class LLMClient:
                     raise LLMCancelled(f"The model call was cancelled ({watch.reason}) before attempt {attempt}.",
                                        reason=watch.reason, base_url=self.base_url, attempts=attempt - 1)
                 try:
-                    stream = self._open_stream(request, max_tokens_cap, timeout, attempt)
-                    completion = self._consume(stream, request, watch, on_token, attempt, on_reasoning)
+                    if background:
+                        stream = self._open_background(request, max_tokens_cap, timeout, attempt)
+                        assembly = responses.EventAssembly(request, on_response_id)
+                    else:
+                        stream = self._open_stream(request, max_tokens_cap, timeout, attempt)
+                        assembly = _Assembly(request)
+                    completion = self._consume(stream, request, watch, on_token, attempt, on_reasoning, assembly)
                 except _Retry as retry:
                     retry_tokens += prompt_tokens if retry.spent else 0
                     failed.append(FailedAttempt(retry.reason, retry.status_code, prompt_tokens if retry.spent else 0))
@@ -542,6 +455,66 @@ class LLMClient:
             except openai.APIConnectionError as exc:
                 raise _Retry(f"cannot connect: {_root_cause(exc)}", spent=False) from None
 
+    def _open_background(self, request: dict, max_tokens_cap: int | None, timeout: float | None, attempt: int):
+        timeout_config = self._timeout(timeout) if timeout is not None else openai.NOT_GIVEN
+        try:
+            return self._openai.responses.create(**responses.request_of(request, max_tokens_cap),
+                                                 timeout=timeout_config)
+        except openai.APIStatusError as exc:
+            raise self._classify_status(exc, request["model"], attempt) from None
+        except openai.APITimeoutError:
+            raise _Retry(f"no answer within {self.connect_timeout} s to connect / "
+                         f"{timeout or self.read_timeout} s to respond") from None
+        except openai.APIConnectionError as exc:
+            raise _Retry(f"cannot connect: {_root_cause(exc)}", spent=False) from None
+
+    def reattach(self, response_id: str, *, model: str | None = None, cancel: CancelHook = None,
+                 on_token: Callable[[str], None] | None = None,
+                 on_reasoning: Callable[[str], None] | None = None, poll_seconds: float = 0.2,
+                 wait_seconds: float | None = None) -> Completion:
+        """The response `response_id`, asked in background mode by a process that is gone:
+        retrieved (polled while the server is still making it, up to `wait_seconds`, default
+        ten read timeouts), instead of asking, and paying, again. Its text goes to `on_token`
+        at once. LLMResponseGone when the server no longer has it, failed or cancelled it, or
+        cannot be reached: the caller asks again."""
+        model = model or self.model
+        watch = _CancelWatch(cancel)
+        deadline = time.monotonic() + (wait_seconds if wait_seconds is not None else 10 * self.read_timeout)
+        try:
+            while True:
+                try:
+                    response = self._openai.responses.retrieve(response_id, timeout=self._timeout(self.read_timeout))
+                except openai.APIStatusError as exc:
+                    raise LLMResponseGone(f"The model server at {self.base_url} cannot give back response "
+                                          f"{response_id} (HTTP {exc.status_code}: {_server_message(exc)}).",
+                                          base_url=self.base_url, status_code=exc.status_code) from None
+                except openai.APIConnectionError as exc:
+                    raise LLMResponseGone(f"The model server at {self.base_url} could not be asked for response "
+                                          f"{response_id} ({_root_cause(exc)}).", base_url=self.base_url) from None
+                if response.status not in responses.UNFINISHED:
+                    break
+                if time.monotonic() >= deadline:
+                    raise LLMResponseGone(f"Response {response_id} at {self.base_url} is still {response.status} "
+                                          f"after the wait for it.", base_url=self.base_url)
+                if watch.wait(poll_seconds):
+                    raise LLMCancelled(f"The model call was cancelled ({watch.reason}) while waiting for response "
+                                       f"{response_id}.", reason=watch.reason, base_url=self.base_url)
+        finally:
+            watch.release()
+        if response.status not in ("completed", "incomplete"):
+            raise LLMResponseGone(f"The model server at {self.base_url} says response {response_id} is "
+                                  f"{response.status}.", base_url=self.base_url)
+        completion = responses.completion_of(response, model)
+        if on_reasoning is not None and completion.reasoning:
+            on_reasoning(completion.reasoning)
+        if on_token is not None and completion.content:
+            on_token(completion.content)
+        logger.info("model call re-attached", extra={
+            "llm_base_url": self.base_url, "llm_model": model, "llm_response_id": response_id,
+            "llm_prompt_tokens": completion.usage.prompt_tokens,
+            "llm_completion_tokens": completion.usage.completion_tokens})
+        return completion
+
     def _classify_status(self, exc: openai.APIStatusError, model: str, attempt: int) -> Exception:
         status, detail = exc.status_code, _server_message(exc)
         if status in self.retry.retry_statuses:
@@ -563,8 +536,7 @@ class LLMClient:
                                   attempts=attempt)
 
     def _consume(self, stream, request: dict, watch: _CancelWatch, on_token, attempt: int,
-                 on_reasoning=None) -> Completion:
-        assembly = _Assembly(request)
+                 on_reasoning, assembly) -> Completion:
         watch.arm(lambda: _abort_stream(stream))
         try:
             for chunk in stream:
@@ -599,6 +571,10 @@ class LLMClient:
             raise LLMCancelled(f"The model call was cancelled ({watch.reason}); the partial answer "
                                f"({len(partial.content)} characters) is kept.", reason=watch.reason,
                                base_url=self.base_url, attempts=attempt, partial=partial)
+        if assembly.error:  # a background response the server failed (responses.EventAssembly)
+            raise LLMBadResponse(f"The model server at {self.base_url} failed the response: {assembly.error}",
+                                 base_url=self.base_url, attempts=attempt,
+                                 partial=assembly.completion(stream_cut=True))
         if assembly.finish_reason is None:
             # The body ended cleanly but the message never did: a server or proxy that
             # closes the connection without the terminating chunk.
@@ -627,6 +603,7 @@ class _Assembly:
         self.model = request["model"]
         self.response_id: str | None = None
         self.received_anything = False
+        self.error = ""  # a chat stream's errors raise inside the stream (openai.APIError)
 
     def add(self, chunk, on_token, on_reasoning=None) -> None:
         self.response_id = self.response_id or getattr(chunk, "id", None)
@@ -706,17 +683,6 @@ def _reasoning_piece(delta) -> str:
         if isinstance(value, str) and value:
             return value
     return ""
-
-
-def estimate_tokens(characters: int) -> int:
-    return math.ceil(characters / CHARACTERS_PER_TOKEN) if characters > 0 else 0
-
-
-def estimate_prompt_tokens(messages: Sequence[dict], tools: Sequence[dict] | None = None) -> int:
-    """A request's prompt in tokens, estimated before it is sent (characters / 4): what a
-    budget must have room for besides the completion."""
-    return estimate_tokens(len(json.dumps(list(messages), ensure_ascii=False))
-                           + len(json.dumps(list(tools or []), ensure_ascii=False)))
 
 
 def _names_parameter(exc: openai.APIStatusError, parameter: str) -> bool:

@@ -5,7 +5,8 @@ Where profiles come from, in this order (the first that has the name wins):
 1. `LLM_MODELS`, JSON from the environment: {"name": {"base_url": ..., "api_key": ...,
    "model": ..., "context_window": ..., "price_input_per_million": ...,
    "price_output_per_million": ..., "price_cached_per_million": ..., "supports_tools": true,
-   "supports_stream_options": true, "send_reasoning_back": false}}. Validated with pydantic;
+   "supports_stream_options": true, "send_reasoning_back": false, "background_responses": false}}.
+   Validated with pydantic;
    a bad value is a system check error (orchestrator.E040) and the same message at run time.
 2. The admin's ModelProfile rows (enabled ones; a disabled one is refused, not skipped).
    The environment wins because it is the deployment's declared configuration: an admin
@@ -69,6 +70,7 @@ class ProfileConfig(BaseModel):
     supports_tools: bool = True
     supports_stream_options: bool = True
     send_reasoning_back: bool = False
+    background_responses: bool = False
 
     @field_validator("base_url")
     @classmethod
@@ -122,6 +124,10 @@ class Profile:
     supports_tools: bool = True
     supports_stream_options: bool = True
     send_reasoning_back: bool = False
+    # The server keeps background responses (the Responses API's `background` mode, as
+    # OpenAI's does): a turn is asked that way, and a process killed mid-stream is replaced
+    # by one that retrieves the finished response instead of paying for the turn again.
+    background_responses: bool = False
 
     def cost(self, usage: Usage) -> Decimal | None:
         """What a call's tokens cost at this profile's prices (None when it has none): cached
@@ -187,7 +193,8 @@ def resolve(name: str | None) -> Profile:
                        price_output_per_million=config.price_output_per_million,
                        price_cached_per_million=config.price_cached_per_million,
                        supports_tools=config.supports_tools, supports_stream_options=config.supports_stream_options,
-                       send_reasoning_back=config.send_reasoning_back)
+                       send_reasoning_back=config.send_reasoning_back,
+                       background_responses=config.background_responses)
     row = ModelProfile.objects.filter(name=name).first()
     if row is not None:
         if not row.enabled:
@@ -199,7 +206,8 @@ def resolve(name: str | None) -> Profile:
                        price_output_per_million=row.price_output_per_million,
                        price_cached_per_million=row.price_cached_per_million,
                        supports_tools=row.supports_tools, supports_stream_options=row.supports_stream_options,
-                       send_reasoning_back=row.send_reasoning_back)
+                       send_reasoning_back=row.send_reasoning_back,
+                       background_responses=row.background_responses)
     return default_profile(model=name)  # a model name on the default server
 
 

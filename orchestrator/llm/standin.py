@@ -5,7 +5,11 @@ run offline and deterministically; point LLM_BASE_URL at a real server for real 
 (README "Models"). `python manage.py standin_llm --port 8011` serves it; `make run` starts it.
 
 Protocol: `POST /v1/chat/completions` (streamed as server-sent events — `data: {chunk}` lines,
-then `data: [DONE]` — or one JSON body), `GET /v1/models`. Streams carry content pieces,
+then `data: [DONE]` — or one JSON body), `GET /v1/models`, and the Responses API in background
+mode: `POST /v1/responses` with `background` and `stream` (the answer is made and kept at once,
+billed in full, and streamed as `response.*` events; the first, `response.created`, carries its
+id) and `GET /v1/responses/{id}` (`in_progress` until its stream would have ended, then the
+whole response with its usage), what a client that died mid-stream re-attaches to. Streams carry content pieces,
 `tool_calls` fragments (id and name in the first, the arguments split over several), a
 finish chunk and, when `stream_options.include_usage` is set, a usage chunk. Like real
 servers it refuses a history in which an assistant's tool call has no `tool` answer.
@@ -74,6 +78,7 @@ STANDIN_MODEL = "standin-planner"
 DEFAULT_PORT = 8011
 DEFAULT_TOKEN_SECONDS = 0.005
 SLOW_TOKEN_SECONDS = 0.1
+ROUTES = "POST /v1/chat/completions, POST /v1/responses (background), GET /v1/responses/{id} and GET /v1/models"
 DEFAULT_RETRY_AFTER_SECONDS = "1"
 ARGUMENT_FRAGMENT_CHARACTERS = 8  # how tool-call arguments are split over chunks
 CONTRACT_READS_PER_TURN = 5
@@ -678,18 +683,22 @@ class StandinHandler(BaseHTTPRequestHandler):
         self._send_json(status, {"error": {"message": message, "type": kind, "param": param, "code": code}}, headers)
 
     def do_GET(self):
-        if self.path.rstrip("/") in ("/v1/models", "/models"):
+        path = self.path.split("?")[0].rstrip("/")
+        if path in ("/v1/models", "/models"):
             self._send_json(200, {"object": "list", "data": [
                 {"id": STANDIN_MODEL, "object": "model", "created": 0, "owned_by": "standin"}]})
+        elif path.startswith(("/v1/responses/", "/responses/")):
+            self._retrieve(path.rsplit("/", 1)[1])
         else:
-            self._send_error(404, f"No route {self.path}; this stand-in serves /v1/chat/completions and /v1/models.")
+            self._send_error(404, f"No route {self.path}; this stand-in serves {ROUTES}.")
 
     def do_POST(self):
         self.record = None  # a kept-alive connection's handler serves many requests
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
-        if self.path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
-            self._send_error(404, f"No route {self.path}; this stand-in serves /v1/chat/completions and /v1/models.")
+        responses_api = self.path.rstrip("/") in ("/v1/responses", "/responses")
+        if self.path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions") and not responses_api:
+            self._send_error(404, f"No route {self.path}; this stand-in serves {ROUTES}.")
             return
         try:
             body = json.loads(raw or b"{}")
@@ -701,7 +710,7 @@ class StandinHandler(BaseHTTPRequestHandler):
         record = self.record = self.server.record(SeenRequest(
             self.path, str(body.get("model", "")), body, authorization=self.headers.get("Authorization", "")))
         try:
-            record.status = self._complete(body)
+            record.status = self._respond(body) if responses_api else self._complete(body)
         except (BrokenPipeError, ConnectionResetError, _Aborted):
             self.close_connection = True
             logger.debug("standin stream abandoned", extra={"standin_model": record.model})
@@ -932,6 +941,177 @@ class StandinHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+    # --- the Responses API, background mode (orchestrator/llm/responses.py is the client's side)
+    def _respond(self, body: dict) -> int:
+        """POST /v1/responses with `background` and `stream`: the whole answer is made at once
+        and kept (billed in full, whatever happens to the connection, as a background response
+        is), then streamed as events at the server's pace; GET /v1/responses/{id} gives it
+        back, `in_progress` until its stream would have ended."""
+        model = str(body.get("model") or "")
+        try:
+            base, faults = parse_model(model)
+        except ValueError as exc:
+            self._send_error(400, str(exc), param="model")
+            return 400
+        if not base.startswith("standin"):
+            self._send_error(404, f"The model {model!r} does not exist here; this stand-in serves {STANDIN_MODEL!r}.",
+                             code="model_not_found")
+            return 404
+        if not body.get("background") or not body.get("stream"):
+            self._send_error(400, "This stand-in serves the Responses API in background mode only: send "
+                                  "background: true and stream: true.", param="background")
+            return 400
+        messages, tools = chat_of_responses_input(body)
+        if not messages:
+            self._send_error(400, "'input' must be a non-empty list.", param="input")
+            return 400
+        chat_body = {"model": model, "messages": messages, "tools": tools}
+        active = {name: fault for name, fault in faults.items()
+                  if fault.on_request is None or fault.on_request == self.server.arrival(model, messages, tools)}
+        if "429" in active:
+            self._send_error(429, "Rate limit reached for the stand-in (fault mode 429).", kind="rate_limit_error",
+                             headers={"Retry-After": active["429"].value or DEFAULT_RETRY_AFTER_SECONDS})
+            return 429
+        problem = _conversation_error(messages)
+        if problem:
+            self._send_error(400, problem, param="input")
+            return 400
+        plan = plan_next(messages, tools)
+        pace = self.server.token_seconds
+        if "slow" in active:
+            pace = float(active["slow"].value) if active["slow"].value else SLOW_TOKEN_SECONDS
+        response_id = f"resp_standin_{hashlib.sha256(f'{time.time_ns()}:{id(self)}'.encode()).hexdigest()[:20]}"
+        call_ids = [f"call_{hashlib.sha256(f'{response_id}:{i}'.encode()).hexdigest()[:12]}"
+                    for i in range(len(plan.tool_calls))]
+        pieces, finish = self._pieces(plan, call_ids, body.get("max_output_tokens"))
+        tokens = sum(1 for kind, _ in pieces if kind != "call")
+        kept = StoredResponse(response_id, model, created=time.time(), done_at=time.monotonic() + pace * tokens,
+                              output=_response_output(pieces), finish=finish,
+                              usage={"input_tokens": _estimate_prompt_tokens(chat_body), "output_tokens": tokens})
+        self.server.keep(kept)
+        self.record.billed_prompt_tokens = kept.usage["input_tokens"]
+        self.record.billed_completion_tokens = tokens
+
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        sequence = iter(range(1_000_000))
+
+        def event(kind: str, **payload) -> None:
+            data = json.dumps({"type": kind, "sequence_number": next(sequence), **payload}, ensure_ascii=False)
+            self._write_chunk(f"event: {kind}\ndata: {data}\n\n".encode())
+
+        event("response.created", response=kept.as_json(in_progress=True))
+        message_open = False
+        for kind, piece in pieces:
+            if kind == "content":
+                if not message_open:
+                    event("response.output_item.added", output_index=0, item={
+                        "type": "message", "id": f"msg_{response_id}", "role": "assistant", "status": "in_progress",
+                        "content": []})
+                    message_open = True
+                event("response.output_text.delta", item_id=f"msg_{response_id}", output_index=0, content_index=0,
+                      delta=piece, logprobs=[])
+            elif kind == "call":
+                index, call_id, name = piece
+                event("response.output_item.added", output_index=index + 1, item={
+                    "type": "function_call", "id": f"fc_{call_id}", "call_id": call_id, "name": name,
+                    "arguments": "", "status": "in_progress"})
+                continue
+            elif kind == "arguments":
+                index, text = piece
+                event("response.function_call_arguments.delta", item_id=f"fc_{call_ids[index]}",
+                      output_index=index + 1, delta=text)
+            else:
+                continue  # no reasoning items in this shape
+            if pace > 0 and self.server.stopping.wait(pace):
+                raise _Aborted("server stopping")
+        done = "response.completed" if finish != "length" else "response.incomplete"
+        event(done, response=kept.as_json())
+        self._write_chunk(b"")
+        return 200
+
+    def _retrieve(self, response_id: str) -> None:
+        kept = self.server.kept(response_id)
+        self.record = self.server.record(SeenRequest(self.path, kept.model if kept else "", {}))
+        if kept is None:
+            self._send_error(404, f"No response found with id '{response_id}'.", code="not_found")
+            return
+        self._send_json(200, kept.as_json(in_progress=time.monotonic() < kept.done_at))
+
+
+@dataclass
+class StoredResponse:
+    """A background response the stand-in keeps (what GET /v1/responses/{id} answers)."""
+    id: str
+    model: str
+    created: float
+    done_at: float  # monotonic: when its stream would have ended, whoever still listens
+    output: list[dict]
+    finish: str
+    usage: dict
+
+    def as_json(self, *, in_progress: bool = False) -> dict:
+        status = "in_progress" if in_progress else ("incomplete" if self.finish == "length" else "completed")
+        return {"id": self.id, "object": "response", "created_at": int(self.created), "model": self.model,
+                "background": True, "status": status, "output": [] if in_progress else self.output,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "usage": None if in_progress else {
+                    **self.usage, "total_tokens": self.usage["input_tokens"] + self.usage["output_tokens"],
+                    "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+def _response_output(pieces: list[tuple[str, Any]]) -> list[dict]:
+    """The finished response's output items: the message, then each function call."""
+    text = "".join(p for kind, p in pieces if kind == "content")
+    output: list[dict] = []
+    if text:
+        output.append({"type": "message", "id": "msg_0", "role": "assistant", "status": "completed",
+                       "content": [{"type": "output_text", "text": text, "annotations": []}]})
+    calls: dict[int, dict] = {}
+    for kind, piece in pieces:
+        if kind == "call":
+            index, call_id, name = piece
+            calls[index] = {"type": "function_call", "id": f"fc_{call_id}", "call_id": call_id, "name": name,
+                            "arguments": "", "status": "completed"}
+        elif kind == "arguments":
+            index, text = piece
+            calls[index]["arguments"] += text
+    return output + [calls[i] for i in sorted(calls)]
+
+
+def chat_of_responses_input(body: dict) -> tuple[list[dict], list[dict]]:
+    """A Responses request's instructions and input items as the Chat Completions messages and
+    tools the planner reads (the inverse of orchestrator/llm/responses.py's translation)."""
+    messages: list[dict] = []
+    if body.get("instructions"):
+        messages.append({"role": "system", "content": body["instructions"]})
+    for item in body.get("input") or []:
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type") or "message"
+        if kind == "function_call":
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": None}
+                messages.append(last)
+            last.setdefault("tool_calls", []).append({"id": item.get("call_id", ""), "type": "function", "function": {
+                "name": item.get("name", ""), "arguments": item.get("arguments", "")}})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""), "content": item.get("output", "")})
+        else:
+            content = item.get("content")
+            if isinstance(content, list):
+                content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+            messages.append({"role": item.get("role", "user"), "content": content})
+    tools = [{"type": "function", "function": {"name": t.get("name", ""), "description": t.get("description", ""),
+                                               "parameters": t.get("parameters") or {}}}
+             for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"]
+    return messages, tools
+
+
 class _StandinHTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # a stream still open does not hold up stopping
     allow_reuse_address = True
@@ -942,6 +1122,7 @@ class _StandinHTTPServer(ThreadingHTTPServer):
         self.stopping = threading.Event()
         self.requests: list[SeenRequest] = []
         self._arrivals: dict[str, int] = {}
+        self._responses: dict[str, StoredResponse] = {}  # background responses, by id
         self._lock = threading.Lock()
 
     def handle_error(self, request, client_address) -> None:
@@ -953,6 +1134,14 @@ class _StandinHTTPServer(ThreadingHTTPServer):
         with self._lock:
             self.requests.append(request)
         return request
+
+    def keep(self, response: StoredResponse) -> None:
+        with self._lock:
+            self._responses[response.id] = response
+
+    def kept(self, response_id: str) -> StoredResponse | None:
+        with self._lock:
+            return self._responses.get(response_id)
 
     def arrival(self, model: str, messages: list, tools) -> int:
         """How many times this same request has arrived (1 the first time): what `FAULT@N` counts."""
@@ -988,6 +1177,13 @@ class StandinServer:
         """The requests received so far, oldest first."""
         with self._httpd._lock:
             return list(self._httpd.requests)
+
+    def response_text(self, response_id: str) -> str | None:
+        """The text of a background response it keeps (None: it has no such response)."""
+        kept = self._httpd.kept(response_id)
+        if kept is None:
+            return None
+        return "".join(part["text"] for item in kept.output if item["type"] == "message" for part in item["content"])
 
     @property
     def billing(self) -> list[dict]:

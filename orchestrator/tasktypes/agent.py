@@ -32,9 +32,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ..agent import compaction, history, mcp as mcp_tools, memory, toolbox
 from ..engine.approvals import Policy
 from ..engine import llm_ledger
-from ..llm import LLMCancelled, LLMContextExceeded, LLMStreamCut, profiles
+from ..llm import LLMCancelled, LLMContextExceeded, LLMResponseGone, LLMStreamCut, profiles
 from ..llm.client import estimate_prompt_tokens, estimate_tokens
 from ..models import AgentMessage, WalEntry
+from ..primitives.faults import fault_point
 from ..roles import is_admin
 from . import register
 from .base import StepSpec, TaskType
@@ -412,18 +413,36 @@ class PlanExecuteAgent(TaskType):
         cap = min(p.max_tokens_per_call, remaining - prompt, profile.context_window - prompt)
         # The attempt is a row before the first token: if this process is killed mid-stream,
         # the next attempt finds what had streamed (kept, and its tokens counted, estimated).
-        with fenced(ctx):
-            attempt = AgentMessage.objects.create(
-                task_id=ctx.task_id, turn=turn, order=0, role=AgentMessage.Role.ASSISTANT, interrupted=True,
-                accounted=False, tokens_estimated=True, step_id=ctx.step_id, generation=ctx.generation,
-                key=f"{ctx.step_id}:g{ctx.generation}:attempt:{uuid.uuid4().hex[:12]}",
-                prompt_tokens=estimate_prompt_tokens(messages, offered))  # as billed, if the process dies
+        # Asked in background mode, the row also gets the response's id before the first token,
+        # and the next attempt retrieves that response instead (profile.background_responses).
+        attempt = _background_attempt_left(ctx) if profile.background_responses else None
+        if attempt is None:
+            attempt = _new_attempt(ctx, turn, estimate_prompt_tokens(messages, offered))
         stream = _PageStream(ctx, turn, attempt)
         client = profile.client()
+        reattached = False
         try:
-            completion = client.chat(messages, tools=offered or None, model=profile.model,
-                                     temperature=p.temperature, max_tokens_cap=cap, on_token=stream.add,
-                                     on_reasoning=stream.add_reasoning, cancel=ctx.interrupt_requested)
+            completion = None
+            if attempt.response_id:
+                try:
+                    attempt.content, attempt.reasoning = "", ""  # the whole answer comes back
+                    completion = client.reattach(attempt.response_id, model=profile.model,
+                                                 cancel=ctx.interrupt_requested, on_token=stream.add,
+                                                 on_reasoning=stream.add_reasoning)
+                    reattached = True
+                except LLMResponseGone as exc:
+                    # Asked again: the earlier attempt stays a lost one (counted below).
+                    log.info("agent turn: the response of the attempt lost with its process is gone; asking again",
+                             extra={"task_id": ctx.task_id, "step_id": ctx.step_id, "reason": str(exc)})
+                    attempt = _new_attempt(ctx, turn, estimate_prompt_tokens(messages, offered))
+                    stream = _PageStream(ctx, turn, attempt)
+            if completion is None:
+                completion = client.chat(messages, tools=offered or None, model=profile.model,
+                                         temperature=p.temperature, max_tokens_cap=cap, on_token=stream.add,
+                                         on_reasoning=stream.add_reasoning, cancel=ctx.interrupt_requested,
+                                         background=profile.background_responses,
+                                         on_response_id=lambda response_id: _note_response_id(ctx, attempt,
+                                                                                              response_id))
         except (LLMCancelled, LLMStreamCut) as exc:
             # Counted now, whatever comes next: a Stop ends the task without another attempt.
             stream.flush()
@@ -460,7 +479,8 @@ class PlanExecuteAgent(TaskType):
         with fenced(ctx):
             attempt.delete()  # complete: its usage is the completion's
         earlier = llm_ledger.account_attempt_rows(ctx, profile=profile, role=AgentMessage.Role.ASSISTANT)
-        llm_ledger.record(ctx, purpose="turn", profile=profile, outcome=llm_ledger.Outcome.COMPLETED,
+        llm_ledger.record(ctx, purpose="turn", profile=profile,
+                          outcome=llm_ledger.Outcome.REATTACHED if reattached else llm_ledger.Outcome.COMPLETED,
                           prompt_tokens=completion.usage.prompt_tokens,
                           completion_tokens=completion.usage.completion_tokens,
                           cached_tokens=completion.usage.cached_tokens, estimated=completion.usage.estimated)
@@ -664,6 +684,31 @@ def _as_object(arguments: str) -> dict | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
+
+
+def _new_attempt(ctx, turn: int, prompt_tokens: int) -> AgentMessage:
+    with fenced(ctx):
+        return AgentMessage.objects.create(
+            task_id=ctx.task_id, turn=turn, order=0, role=AgentMessage.Role.ASSISTANT, interrupted=True,
+            accounted=False, tokens_estimated=True, step_id=ctx.step_id, generation=ctx.generation,
+            key=f"{ctx.step_id}:g{ctx.generation}:attempt:{uuid.uuid4().hex[:12]}",
+            prompt_tokens=prompt_tokens)  # as billed, if the process dies
+
+
+def _background_attempt_left(ctx) -> AgentMessage | None:
+    """The attempt of this step a dead process asked in background mode (not yet accounted:
+    nobody has counted it lost), whose response the server may still have."""
+    return (AgentMessage.objects.filter(task_id=ctx.task_id, step_id=ctx.step_id, generation=ctx.generation,
+                                        role=AgentMessage.Role.ASSISTANT, interrupted=True, accounted=False)
+            .exclude(response_id="").order_by("-id").first())
+
+
+def _note_response_id(ctx, attempt: AgentMessage, response_id: str) -> None:
+    """Recorded before the first token, fenced: the step run after a crash finds it."""
+    attempt.response_id = response_id
+    with fenced(ctx):
+        AgentMessage.objects.filter(pk=attempt.pk).update(response_id=response_id)
+    fault_point("background_response_started", ctx.step_id)
 
 
 class _PageStream:

@@ -109,6 +109,23 @@ def test_a_server_that_refuses_the_context_gets_a_compacted_dialog_and_the_task_
     assert len(emails_of(smtp, task)) == 1
 
 
+def test_a_server_refusal_with_nothing_to_summarise_pauses_the_task_with_the_servers_words(model, settings):
+    # The server's window (300 tokens) is smaller than the system prompt and the goal; the harness
+    # believes the profile's 81,920. Refused at the first turn, with no earlier turn to summarise,
+    # the task pauses with the server's words and what to do: it neither fails nor asks again.
+    settings.LLM_MODEL = "standin-planner+context_window=300"
+    settings.ORCH_AGENT_COMPACT_AT = 1.0
+    settings.LLM_CONTEXT_WINDOW = 10 * WINDOW
+    task = long_agent()
+    assert drive_inline(task.pk) == "paused"
+    task = Task.objects.get(pk=task.pk)
+    assert task.paused_by_limit == "context_window", task.status_reason
+    assert "maximum context length is 300 tokens" in task.status_reason
+    assert "no earlier turns to summarise: shorten the goal or pick a model with a larger window" in task.status_reason
+    asked = [r for r in model.requests if r.path.endswith("/chat/completions")]
+    assert [r.status for r in asked] == [400]
+
+
 def test_a_goal_too_long_for_the_window_pauses_with_a_reason_and_sends_nothing(model, settings):
     settings.LLM_CONTEXT_WINDOW = 1024
     task = long_agent(goal=GOAL + " " + "context " * 1200)

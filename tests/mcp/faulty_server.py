@@ -136,7 +136,7 @@ def main() -> None:
         (a server that echoes secrets; printed to its stderr too)."""
         headers = dict(ctx.headers or {})
         told = f"secret={os.environ.get('FAULTY_SECRET', '')} authorization={headers.get('authorization', '')}"
-        called("leak", ctx, told=told)
+        called("leak", ctx, told=told, environment=sorted(os.environ))  # the names only, for the journal
         print(f"leaking {told}", file=sys.stderr, flush=True)
         return told
 

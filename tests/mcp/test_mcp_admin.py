@@ -82,11 +82,39 @@ def test_a_declaration_that_cannot_work_is_refused(admin_client, settings, field
 
 
 def test_only_admins_see_mcp_servers(make_user):
+    from django.contrib.auth.models import Permission
+
     McpServer.objects.create(name="files", url="http://127.0.0.1:9000/mcp", headers={"Authorization": TOKEN})
     staff = make_user("stan", "operator")
     staff.is_staff = True
     staff.save()
+    # Every model permission on servers: what Django alone would let through.
+    staff.user_permissions.set(Permission.objects.filter(content_type__model="mcpserver"))
     client = Client()
     client.force_login(staff)
     assert client.get(LIST).status_code == 403
     assert client.get(ADD).status_code == 403
+
+
+def test_a_malformed_orch_mcp_servers_stops_the_start_as_a_system_check_without_quoting_its_secrets(settings):
+    from django.core.management import call_command
+    from django.core.management.base import SystemCheckError
+
+    from orchestrator.checks import check_mcp_servers
+
+    settings.ORCH_MCP_SERVERS = {
+        "both": {"command": ["mcp-server-git"], "url": "http://127.0.0.1:9000/mcp"},
+        "web": {"url": "ftp://files.example.org/mcp", "headers": {"Authorization": TOKEN}},
+        "time": {"command": ["mcp-server-time"], "tool_effects": {"get_current_time": "harmless"}},
+    }
+    errors = check_mcp_servers(None)
+    assert [e.id for e in errors] == ["orchestrator.E050"] * 3
+    said = "\n".join(e.msg for e in errors)
+    assert "both: give exactly one of command (a stdio server) or url" in said
+    assert "web: url must be an http(s) address" in said
+    assert "time: tool_effects get_current_time=harmless: the classes are" in said
+    assert TOKEN not in said and all(TOKEN not in (e.hint or "") for e in errors)
+    with pytest.raises(SystemCheckError, match="E050"):
+        call_command("check")
+    settings.ORCH_MCP_SERVERS = {"time": {"command": ["mcp-server-time"]}}
+    assert check_mcp_servers(None) == []

@@ -340,14 +340,19 @@ def test_a_tool_that_disappears_between_turns_is_an_error_the_model_reads(declar
 
 
 def test_secrets_of_a_stdio_server_never_reach_the_model_a_log_or_the_export(declare, journal, scripted, boss,
-                                                                               log_lines):
+                                                                               log_lines, monkeypatch):
     secret = "faulty-secret-" + "7f3a9c2e5b1d"
+    # The worker's own secrets are in its environment; the server's child gets none of them.
+    monkeypatch.setenv("LLM_API_KEY", "worker-llm-key-" + "5e6f7a8b")
+    monkeypatch.setenv("DJANGO_SECRET_KEY", "worker-django-secret-" + "1a2b3c4d")
     declare(faulty={**faulty(journal), "env": {"FAULTY_SECRET": secret}})
     model = scripted([("faulty__leak", {})])
     task = agent(boss, tools=["faulty__leak"])
     assert drive_inline(task.pk) == "completed"
     [leaked] = journal.calls("leak")
     assert secret in leaked["arguments"]["told"]  # the server had it: the environment reached the child
+    assert "FAULTY_SECRET" in leaked["arguments"]["environment"] and "PATH" in leaked["arguments"]["environment"]
+    assert not {"LLM_API_KEY", "DJANGO_SECRET_KEY"} & set(leaked["arguments"]["environment"])
     assert secret not in model.seen_text()
     assert "[redacted: environment FAULTY_SECRET of MCP server faulty]" in answers(task)["call_1_1"]
     export = json.dumps(selectors.task_export(task.pk), default=str)

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 GOAL = "Parse the 2 contracts and email a summary to ops@example.org"
 TOOLS = ["contracts_list", "contracts_read", "email_send"]
+WAITING_TOOL = "email_send"  # the tool whose call waits for its approval
 
 
 @pytest.fixture
@@ -49,7 +50,13 @@ def email_answer(task: Task) -> str:
 
 # --- the deadline ------------------------------------------------------------------------------
 
-def test_an_approval_nobody_decides_expires_at_the_sweep_and_the_model_reads_that_it_expired(model, smtp, reviewer):
+def expiry_emails(mailoutbox, task) -> list:
+    return [(m.to, m.body) for m in mailoutbox
+            if m.subject == f"[orchestrator] approval expired: {WAITING_TOOL} in task #{task.pk}"]
+
+
+def test_an_approval_nobody_decides_expires_at_the_sweep_and_the_model_reads_that_it_expired(
+        model, smtp, reviewer, mailoutbox):
     task, item = waiting_agent(approval_timeout_seconds=45)
     assert (item.expires_at - item.detected_at).total_seconds() == pytest.approx(45, abs=1)
     assert recovery.sweep() == [] and ReviewItem.objects.get(pk=item.pk).status == "open"  # not yet
@@ -59,6 +66,9 @@ def test_an_approval_nobody_decides_expires_at_the_sweep_and_the_model_reads_tha
     # Its own state: not a rejection, nobody decided it.
     assert (item.status, item.decision, item.decided_by) == ("expired", "", None)
     assert item.expired_at is not None and "nobody decided within 45 s" in item.note
+    # The reviewers are told, each with the item's link and what the expiry did.
+    [(to, body)] = expiry_emails(mailoutbox, task)
+    assert to == [reviewer.email] and f"/review/{item.pk}/" in body and "the call did not run" in body
     assert Task.objects.get(pk=task.pk).status == "queued"  # the expiry woke the waiting step
     [event] = InboundEvent.objects.filter(task=task, type="approval.decided")
     assert event.payload["expired"] is True and event.payload["approved"] is False
@@ -76,6 +86,8 @@ def test_an_approval_nobody_decides_expires_at_the_sweep_and_the_model_reads_tha
 
 
 def test_the_tools_own_deadline_wins_over_the_tasks_and_the_installations(model, smtp, settings):
+    _, item = waiting_agent()  # nothing set anywhere: the installation's default, a day
+    assert (item.expires_at - item.detected_at).total_seconds() == pytest.approx(86400, abs=1)
     settings.ORCH_APPROVAL_TIMEOUT_SECONDS = 7200
     _, item = waiting_agent()
     assert (item.expires_at - item.detected_at).total_seconds() == pytest.approx(7200, abs=1)
@@ -86,17 +98,20 @@ def test_the_tools_own_deadline_wins_over_the_tasks_and_the_installations(model,
     assert item.on_expiry == "keep_waiting"
 
 
-def test_keep_waiting_marks_it_overdue_and_a_reviewer_still_decides_it(model, smtp, reviewer):
+def test_keep_waiting_marks_it_overdue_and_a_reviewer_still_decides_it(model, smtp, reviewer, mailoutbox):
     task, item = waiting_agent(approval_rules={"email_send": {"on_expiry": "keep_waiting"}})
     past_deadline(item)
     recovery.sweep()
     item.refresh_from_db()
+    [(to, body)] = expiry_emails(mailoutbox, task)
+    assert to == [reviewer.email] and "it is still waiting for a reviewer" in body
     assert item.status == "open" and item.expired_at is not None and item.expires_at is None
     assert Task.objects.get(pk=task.pk).status == "waiting"
     assert not InboundEvent.objects.filter(task=task, type="approval.decided").exists()
     assert AuditEntry.objects.get(task=task, action="review.approval_expired").after["fallback"] == "keep_waiting"
     recovery.sweep()  # handled once
     assert AuditEntry.objects.filter(task=task, action="review.approval_expired").count() == 1
+    assert len(expiry_emails(mailoutbox, task)) == 1
     client = logged_in(reviewer)
     assert 'data-testid="review-overdue"' in client.get(f"/review/{item.pk}/").content.decode()
     assert client.post(f"/review/{item.pk}/", {"decision": "approve"}).status_code == 302
