@@ -33,6 +33,25 @@ def test_a_module_that_cannot_be_imported_fails_the_system_checks_with_its_name(
     assert TICKETS + "'" not in output  # the one that loads is not blamed
 
 
+@pytest.mark.parametrize("command", [("qcluster",), ("recover", "--loop")], ids=["workers", "sweeper"])
+def test_the_workers_and_the_sweeper_refuse_to_start_with_a_broken_extension(command):
+    # They run the system checks first: the start stops, naming the module (a process that
+    # started instead would run until the 120 s timeout fails the test).
+    done = manage(*command, extensions="tests.extensions.broken_on_import")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert ("(orchestrator.E030) ORCH_EXTENSIONS names 'tests.extensions.broken_on_import', which cannot be "
+            "imported: RuntimeError: the tracker's client needs TICKETS_TOKEN") in output
+
+
+def test_a_wsgi_server_refuses_to_start_with_a_broken_extension():
+    done = subprocess.run([sys.executable, "-c", "import orchestrator.wsgi"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=process_env(ORCH_EXTENSIONS="tests.extensions.broken_on_import"))
+    assert done.returncode != 0
+    assert ("ImproperlyConfigured: ORCH_EXTENSIONS: 'tests.extensions.broken_on_import' cannot be imported: "
+            "RuntimeError: the tracker's client needs TICKETS_TOKEN") in done.stderr
+
+
 def test_the_web_process_refuses_to_start_with_a_broken_extension():
     # daphne imports orchestrator.asgi and runs no system checks: the application itself refuses.
     env = process_env(ORCH_EXTENSIONS="tests.extensions.broken_on_import")

@@ -436,3 +436,21 @@ def test_an_unreachable_server_is_refused_at_creation_and_not_offered(declare, b
     started = time.monotonic()
     assert toolbox.find_tool("gone__anything") is None  # a run's turn: not offered, a call to it an error
     assert time.monotonic() - started < 15
+
+
+def test_a_call_past_orch_mcp_call_timeout_seconds_is_cut_and_the_model_reads_why(declare, journal, scripted, boss,
+                                                                                   settings):
+    settings.ORCH_MCP_CALL_TIMEOUT_SECONDS = 1
+    declare(faulty=faulty(journal))
+    scripted([("faulty__slow", {"seconds": 30}), ("faulty__echo", {"text": "still there?"})])
+    task = agent(boss, tools=["faulty__slow", "faulty__echo"])
+    started = time.monotonic()
+    assert drive_inline(task.pk) == "completed"
+    assert time.monotonic() - started < 20  # not the 30 s the server would have taken
+    got = answers(task)
+    assert got["call_1_1"].startswith(
+        "error: MCP faulty__slow: no answer within 1 s (ORCH_MCP_CALL_TIMEOUT_SECONDS); the server was told to cancel")
+    assert got["call_2_1"] == "echo: still there?"
+    # The server was told: its handler was interrupted, not left running.
+    wait_for(lambda: [e for e in journal.entries() if e.get("cancelled") == "slow"], timeout=10,
+             message="the slow handler cancelled")
