@@ -53,6 +53,16 @@ def stale_tasks(now=None):
     return Task.objects.filter(heartbeat_at__lt=cutoff, status__in=(*SWEEPABLE, S.QUEUED)).exclude(lease_owner="")
 
 
+def stale_candidate(task_id: int, *, wait: bool = False):
+    """The task, locked, if it is still stale (`wait`: for another holder's lock, else skip it).
+    The stale conditions are on the locked row itself, not in a subquery: on PostgreSQL a row
+    another sweeper recovered (and committed) while this statement ran is re-checked against
+    its new version (lease_owner "" is not stale) only for the row's own conditions, while a
+    `pk IN (subquery)` keeps the subquery's old snapshot, and the task was recovered twice
+    (seen in CI: 3 sweepers, 30 stale tasks, one recovery event too many)."""
+    return stale_tasks().select_for_update(skip_locked=not wait).filter(pk=task_id)
+
+
 def sweep(requeue_budget: float | None = None, requeue: bool = True) -> list[int]:
     """One pass: recover every stale task (returns the ids recovered by this sweeper), give
     up on recoveries that took too long, and (when `requeue`) re-send unclaimed queued tasks
@@ -203,8 +213,7 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attemp
         candidates = Task.objects.select_for_update().filter(
             pk=task_id, lease_epoch=dead_lease.epoch, status__in=(*SWEEPABLE, S.QUEUED))
     else:
-        candidates = Task.objects.select_for_update(skip_locked=True).filter(
-            pk=task_id, pk__in=stale_tasks().values("pk"))
+        candidates = stale_candidate(task_id)
     with transaction.atomic():
         task = candidates.first()
         if task is None:

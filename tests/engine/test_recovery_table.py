@@ -376,6 +376,64 @@ def test_several_sweepers_at_once_recover_each_stale_task_once(start_sweeper):
         (1, 2, "")}
 
 
+@pytest.mark.parametrize("query", ["stale_candidate", "control: the subquery form CI caught takes it again"])
+def test_a_task_another_sweeper_recovered_meanwhile_is_not_taken_again(query, transactional_db):
+    """Sweeper A holds the stale row and recovers it; sweeper B's lock waits, then gets the row's
+    new version, which is no longer stale: B must not take it (it did, once in CI, with the
+    stale conditions in a subquery: PostgreSQL re-checks only the row's own conditions)."""
+    from django.db import connection, transaction
+
+    if connection.vendor != "postgresql":
+        pytest.skip("row locks re-checked against a row's new version are PostgreSQL's")
+    task = Task.objects.create(type="demo.pipeline", params={"stages": 1}, status="running",
+                               lease_owner="dead-host:1:x", lease_epoch=1,
+                               heartbeat_at=timezone.now() - timedelta(minutes=5))
+
+    def candidate():
+        if query == "stale_candidate":
+            return recovery.stale_candidate(task.pk, wait=True)
+        return Task.objects.select_for_update().filter(pk=task.pk, pk__in=recovery.stale_tasks().values("pk"))
+
+    holding, release, taken = threading.Event(), threading.Event(), {}
+
+    def sweeper_a():
+        try:
+            with transaction.atomic():
+                recovery.stale_candidate(task.pk).get()
+                Task.objects.filter(pk=task.pk).update(lease_owner="", lease_epoch=2)  # recovered
+                holding.set()
+                release.wait(20)
+        finally:
+            connection.close()
+
+    def sweeper_b():
+        try:
+            holding.wait(20)
+            with transaction.atomic():
+                taken["b"] = candidate().first()
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=sweeper_a), threading.Thread(target=sweeper_b)]
+    for thread in threads:
+        thread.start()
+
+    def b_waits_for_the_lock() -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                           "AND wait_event_type = 'Lock'")
+            return cursor.fetchone()[0] >= 1
+
+    wait_for(b_waits_for_the_lock, timeout=20, message="sweeper B waiting for the row's lock")
+    release.set()
+    for thread in threads:
+        thread.join(20)
+    if query == "stale_candidate":
+        assert taken["b"] is None
+    else:  # what the subquery form did: the recovered row, taken a second time
+        assert taken["b"] is not None and taken["b"].lease_owner == ""
+
+
 # --- nothing is left behind: every hand-over is stamped and re-sent when its message is lost -------
 
 @pytest.fixture
