@@ -449,11 +449,15 @@ class LLMClient:
                                 extra={"llm_base_url": self.base_url, "llm_attempt": attempt})
                     continue
                 raise self._classify_status(exc, request["model"], attempt) from None
-            except openai.APITimeoutError:
-                raise _Retry(f"no answer within {self.connect_timeout} s to connect / "
-                             f"{timeout or self.read_timeout} s to respond") from None
-            except openai.APIConnectionError as exc:
-                raise _Retry(f"cannot connect: {_root_cause(exc)}", spent=False) from None
+            except openai.APIConnectionError as exc:  # includes the timeout
+                raise self._not_answered(exc, timeout) from None
+
+    def _not_answered(self, exc: openai.APIConnectionError, timeout: float | None) -> "_Retry":
+        """A request the server never answered: retried (a timeout may have been read: spent)."""
+        if isinstance(exc, openai.APITimeoutError):
+            return _Retry(f"no answer within {self.connect_timeout} s to connect / "
+                          f"{timeout or self.read_timeout} s to respond")
+        return _Retry(f"cannot connect: {_root_cause(exc)}", spent=False)
 
     def _open_background(self, request: dict, max_tokens_cap: int | None, timeout: float | None, attempt: int):
         timeout_config = self._timeout(timeout) if timeout is not None else openai.NOT_GIVEN
@@ -462,11 +466,8 @@ class LLMClient:
                                                  timeout=timeout_config)
         except openai.APIStatusError as exc:
             raise self._classify_status(exc, request["model"], attempt) from None
-        except openai.APITimeoutError:
-            raise _Retry(f"no answer within {self.connect_timeout} s to connect / "
-                         f"{timeout or self.read_timeout} s to respond") from None
-        except openai.APIConnectionError as exc:
-            raise _Retry(f"cannot connect: {_root_cause(exc)}", spent=False) from None
+        except openai.APIConnectionError as exc:  # includes the timeout
+            raise self._not_answered(exc, timeout) from None
 
     def reattach(self, response_id: str, *, model: str | None = None, cancel: CancelHook = None,
                  on_token: Callable[[str], None] | None = None,

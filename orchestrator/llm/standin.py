@@ -715,8 +715,9 @@ class StandinHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             logger.debug("standin stream abandoned", extra={"standin_model": record.model})
 
-    def _complete(self, body: dict) -> int:
-        model = str(body.get("model") or "")
+    def _faults_of(self, model: str) -> dict | int:
+        """The request's fault modes, or the status of the error it was answered (a model name
+        that does not parse, or not the stand-in's)."""
         try:
             base, faults = parse_model(model)
         except ValueError as exc:
@@ -726,6 +727,13 @@ class StandinHandler(BaseHTTPRequestHandler):
             self._send_error(404, f"The model {model!r} does not exist here; this stand-in serves {STANDIN_MODEL!r} "
                                   f"(with fault suffixes, e.g. {STANDIN_MODEL}+slow).", code="model_not_found")
             return 404
+        return faults
+
+    def _complete(self, body: dict) -> int:
+        model = str(body.get("model") or "")
+        faults = self._faults_of(model)
+        if isinstance(faults, int):
+            return faults
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             self._send_error(400, "'messages' must be a non-empty list.", param="messages")
@@ -948,15 +956,9 @@ class StandinHandler(BaseHTTPRequestHandler):
         is), then streamed as events at the server's pace; GET /v1/responses/{id} gives it
         back, `in_progress` until its stream would have ended."""
         model = str(body.get("model") or "")
-        try:
-            base, faults = parse_model(model)
-        except ValueError as exc:
-            self._send_error(400, str(exc), param="model")
-            return 400
-        if not base.startswith("standin"):
-            self._send_error(404, f"The model {model!r} does not exist here; this stand-in serves {STANDIN_MODEL!r}.",
-                             code="model_not_found")
-            return 404
+        faults = self._faults_of(model)
+        if isinstance(faults, int):
+            return faults
         if not body.get("background") or not body.get("stream"):
             self._send_error(400, "This stand-in serves the Responses API in background mode only: send "
                                   "background: true and stream: true.", param="background")
