@@ -274,7 +274,26 @@ class Managed:
 
 
 # --- the SMTP server -----------------------------------------------------------------------
-class SoakSmtp(SmtpServer):
+class ArmedModes:
+    """Faults queued for a server's next requests (`arm(mode)`: the next one that mode can
+    apply to misbehaves that way, once); the server has `lock` and `armed` (a deque)."""
+
+    def arm(self, mode: str) -> None:
+        with self.lock:
+            self.armed.append(mode)
+
+    def disarm(self) -> int:
+        with self.lock:
+            pending = len(self.armed)
+            self.armed.clear()
+            return pending
+
+    def pending(self) -> int:
+        with self.lock:
+            return len(self.armed)
+
+
+class SoakSmtp(ArmedModes, SmtpServer):
     """The misbehaving server, its mode switched per message: `arm(mode)` makes the next
     message misbehave that way once. Keeps a log of (time, key, to) for every message taken."""
 
@@ -296,20 +315,6 @@ class SoakSmtp(SmtpServer):
             if self.armed and self.armed[0] in modes:
                 return self.armed.popleft()
         return "ok"
-
-    def arm(self, mode: str) -> None:
-        with self.lock:
-            self.armed.append(mode)
-
-    def disarm(self) -> int:
-        with self.lock:
-            pending = len(self.armed)
-            self.armed.clear()
-            return pending
-
-    def pending(self) -> int:
-        with self.lock:
-            return len(self.armed)
 
     def received_keys(self) -> set[str]:
         with self.lock:
@@ -347,7 +352,7 @@ class SoakSmtp(SmtpServer):
 
 
 # --- the HTTP upstream ----------------------------------------------------------------------
-class SoakUpstream:
+class SoakUpstream(ArmedModes):
     """The other side of soak.post's POSTs (bench/soak_types.py): records every request it acts
     on, by its reference (the X-Soak-Ref header, `t<task>:<step>`) and, when the tool sends one,
     its Idempotency-Key — a keyed request acts once per key, its repeats get the recorded answer,
@@ -442,20 +447,6 @@ class SoakUpstream:
         self.url = f"http://127.0.0.1:{self.port}/charges"
         self.status_url = f"http://127.0.0.1:{self.port}/status/{{key}}"
         threading.Thread(target=self.server.serve_forever, name="upstream", daemon=True).start()
-
-    def arm(self, mode: str) -> None:
-        with self.lock:
-            self.armed.append(mode)
-
-    def disarm(self) -> int:
-        with self.lock:
-            pending = len(self.armed)
-            self.armed.clear()
-            return pending
-
-    def pending(self) -> int:
-        with self.lock:
-            return len(self.armed)
 
     def acted_refs(self) -> set[str]:
         with self.lock:

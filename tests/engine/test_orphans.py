@@ -8,7 +8,7 @@ import pytest
 from django.utils import timezone
 from django_q.brokers import get_broker
 
-from orchestrator.engine import recovery, scheduler, services
+from orchestrator.engine import recovery, services
 from orchestrator.models import Step, Task
 from review.services import review_decide
 from tests.conftest import ROOT, process_env, wait_for
@@ -20,17 +20,6 @@ PIPELINE = {"stages": 2, "seconds_per_stage": 0.1}
 
 def all_completed(ids) -> bool:
     return Task.objects.filter(pk__in=ids, status="completed").count() == len(ids)
-
-
-@pytest.fixture
-def lost_sends(monkeypatch):
-    """The process dies between the commit and the broker send: nothing reaches the broker."""
-    lost = []
-    monkeypatch.setattr(scheduler, "send", lambda task_id: lost.append(task_id))
-    # A re-send to the front (a Redis list whose waiting messages are all newer than the backdated
-    # hand-over reads as stranded: engine/stranded.py) is lost the same way.
-    monkeypatch.setattr(scheduler, "send_first", lambda task_id: lost.append(task_id))
-    return lost
 
 
 def backdate_enqueue(task_id: int, seconds: float = 120) -> None:

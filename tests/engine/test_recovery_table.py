@@ -23,7 +23,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from orchestrator.engine import checkpoint, recovery, revisions, scheduler, services
+from orchestrator.engine import checkpoint, recovery, revisions, services
 from orchestrator.engine.lease import claim
 from orchestrator.engine.recovery import recover_task
 from orchestrator.engine.runner import Runner
@@ -435,17 +435,6 @@ def test_a_task_another_sweeper_recovered_meanwhile_is_not_taken_again(query, tr
 
 
 # --- nothing is left behind: every hand-over is stamped and re-sent when its message is lost -------
-
-@pytest.fixture
-def lost_sends(monkeypatch):
-    """The broker loses every message (or the process died between commit and send)."""
-    lost = []
-    monkeypatch.setattr(scheduler, "send", lambda task_id: lost.append(task_id))
-    # A re-send to the front (a Redis list whose waiting messages are all newer than the backdated
-    # hand-over reads as stranded: engine/stranded.py) is lost the same way.
-    monkeypatch.setattr(scheduler, "send_first", lambda task_id: lost.append(task_id))
-    return lost
-
 
 def paused_migration() -> Task:
     task = services.task_create(type="demo.migrate_rows", params={"rows": 300, "batch_size": 100, "rate": 1.0},
