@@ -18,7 +18,7 @@ import logging
 import time
 from datetime import timedelta
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -345,37 +345,54 @@ def resources_problem(task: Task) -> str:
 
 
 def sweep_loop(interval: float | None = None) -> None:
-    interval = interval or max(0.5, harness.heartbeat_seconds)
-    database = OutageWatch(log, "sweeper")
-    recover_after = 0.0
-    retained_at = None
-    # Recovering stale tasks is what a dead host's tasks wait for, so it runs every pass.
-    # Re-sending unclaimed messages (lost ones are rare, and wait ORCH_REQUEUE_AFTER_SECONDS
-    # anyway) runs ten times per that window at most, and for one interval per pass: with a
-    # long queue it has work every time, and doing it every pass doubled the time a dead
-    # host's tasks waited to be noticed (bench/hosts.py).
-    requeue_every = max(interval, harness.requeue_after_seconds / 10)
-    requeue_at = 0.0
-    while True:
+    SweepLoop(interval).run()
+
+
+class SweepLoop:
+    """The sweeper process's loop, one pass per `tick`."""
+
+    def __init__(self, interval: float | None = None):
+        self.interval = interval or max(0.5, harness.heartbeat_seconds)
+        self.database = OutageWatch(log, "sweeper")
+        self.recover_after = 0.0
+        self.retained_at = None
+        # Recovering stale tasks is what a dead host's tasks wait for, so it runs every pass.
+        # Re-sending unclaimed messages (lost ones are rare, and wait ORCH_REQUEUE_AFTER_SECONDS
+        # anyway) runs ten times per that window at most, and for one interval per pass: with a
+        # long queue it has work every time, and doing it every pass doubled the time a dead
+        # host's tasks waited to be noticed (bench/hosts.py).
+        self.requeue_every = max(self.interval, harness.requeue_after_seconds / 10)
+        self.requeue_at = 0.0
+
+    def run(self) -> None:
+        while True:
+            self.tick()
+            time.sleep(self.interval)
+
+    def tick(self) -> None:
         try:
-            requeue = time.monotonic() >= requeue_at
+            if self.database.down:
+                # Back from an outage? Nobody could heartbeat during it: live workers get one
+                # stale period to beat again before their tasks count as abandoned. Decided
+                # before this pass recovers anything (it used to be set after the first pass
+                # that got through, and that pass recovered a live task whose worker had not
+                # beaten yet: seen in CI, a loaded machine).
+                connection.ensure_connection()
+                self.recover_after = time.monotonic() + harness.stale_after_seconds
+                self.database.succeeded()
+            requeue = time.monotonic() >= self.requeue_at
             if requeue:
-                requeue_at = time.monotonic() + requeue_every
-            if time.monotonic() >= recover_after:
-                sweep(requeue_budget=interval, requeue=requeue)
+                self.requeue_at = time.monotonic() + self.requeue_every
+            if time.monotonic() >= self.recover_after:
+                sweep(requeue_budget=self.interval, requeue=requeue)
             elif requeue:
-                requeue_unclaimed(budget=interval)
-            if retention.due_now(retained_at):
-                retained_at = timezone.now()
-                retention.run(retained_at)
+                requeue_unclaimed(budget=self.interval)
+            if retention.due_now(self.retained_at):
+                self.retained_at = timezone.now()
+                retention.run(self.retained_at)
         except DATABASE_DOWN as exc:
-            database.failed(exc)
+            self.database.failed(exc)
         except Exception:
             log.exception("sweep failed; trying again")
         else:
-            if database.down:
-                # Nobody could heartbeat during the outage: give live workers one stale period
-                # to beat again before their tasks count as abandoned.
-                recover_after = time.monotonic() + harness.stale_after_seconds
-            database.succeeded()
-        time.sleep(interval)
+            self.database.succeeded()

@@ -691,3 +691,37 @@ def test_a_step_waits_for_the_database_only_up_to_orch_database_retry_seconds(pr
     assert any(r["message"].startswith("checkpoint waits for the database") and r.get("step_id") == "stage-02"
                for r in records)
     assert any(r["message"] == "executor crashed" and r.get("task_id") == task_id for r in records)
+
+
+def test_the_first_sweep_after_an_outage_recovers_nothing_until_workers_had_a_stale_period_to_beat(
+        settings, monkeypatch, caplog):
+    """Nobody could heartbeat while the database was down, so every running task looks stale
+    when it is back. The sweeper's first pass that gets through must not recover them: live
+    workers get one stale period to beat again (it used to be granted only after that first
+    pass, which recovered a live task whose worker had not beaten yet: CI, a loaded machine).
+    A task whose worker did not come back is recovered once the period is over."""
+    from django.db import OperationalError, connection
+
+    settings.ORCH_STALE_AFTER_SECONDS = 0.5
+    task = services.task_create(type="test.interruptible", params={"mode": "sleep", "steps": 2, "seconds": 0.1})
+    Task.objects.filter(pk=task.pk).update(status="running", lease_owner="live-host:1:x", lease_epoch=1,
+                                           heartbeat_at=timezone.now() - timedelta(seconds=30))
+    loop = recovery.SweepLoop(interval=0.1)
+
+    def unreachable():
+        raise OperationalError("connection refused")
+
+    with monkeypatch.context() as outage:
+        outage.setattr(connection, "ensure_connection", unreachable)
+        loop.tick()
+    assert loop.database.down
+    loop.tick()  # the database is back: the first pass that gets through
+    assert not loop.database.down
+    assert Task.objects.get(pk=task.pk).recovery_attempts == 0  # not taken for dead yet
+    back_at = time.monotonic()
+    # Its worker never beats again: recovered once the stale period has passed, not before.
+    wait_for(lambda: loop.tick() or Task.objects.get(pk=task.pk).recovery_attempts == 1, timeout=10,
+             interval=0.05, message="the task to be recovered after the grace period")
+    assert time.monotonic() - back_at >= 0.5
+    assert [r.getMessage() for r in caplog.records if "sweeper: database" in r.getMessage()][:1] == [
+        "sweeper: database unreachable (OperationalError: connection refused); retrying until it is back"]
