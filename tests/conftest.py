@@ -25,6 +25,23 @@ def wait_for(condition, *, timeout: float = 30.0, interval: float = 0.05, messag
         time.sleep(interval)
 
 
+# What a failing test shows of the processes it started (workers, sweepers, web servers log
+# to files under its tmp_path): a flake seen only in CI is otherwise a bare timeout.
+PROCESS_LOG_TAIL_LINES = 60
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.failed and call.when == "call" and tmp_path is not None:
+        for log_path in sorted(Path(tmp_path).glob("*.log"))[:6]:
+            lines = log_path.read_text(errors="replace").splitlines()
+            report.sections.append((f"{log_path.name}: last {PROCESS_LOG_TAIL_LINES} of {len(lines)} lines",
+                                    "\n".join(lines[-PROCESS_LOG_TAIL_LINES:])))
+    return report
+
+
 def free_port() -> int:
     import socket
 

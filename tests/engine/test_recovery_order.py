@@ -10,7 +10,6 @@ import os
 import signal
 
 import pytest
-from django_q.conf import Conf
 
 from orchestrator.engine import services
 from orchestrator.models import Task, TaskEvent
@@ -27,19 +26,12 @@ def steps_done(task_id: int) -> list[TaskEvent]:
 
 
 @pytest.mark.parametrize("broker", ["orm", "redis"])
-def test_a_recovered_task_runs_before_the_tasks_queued_behind_it(broker, request, start_workers, settings,
-                                                                 monkeypatch):
+def test_a_recovered_task_runs_before_the_tasks_queued_behind_it(broker, use_broker, start_workers, settings):
     settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
     # The sweeper's schedule (every minute, in the cluster) must not re-send the task whose
     # turn was taken: only the worker sending it again may get it going.
     env = {**TEST_TYPES, "ORCH_REQUEUE_AFTER_SECONDS": 600}
-    if broker == "redis":
-        redis_url = request.getfixturevalue("private_redis").url
-        env["REDIS_URL"] = redis_url
-        # This process sends the tasks' messages (task_create): to the workers' Redis.
-        monkeypatch.setattr(Conf, "ORM", None)
-        monkeypatch.setattr(Conf, "BROKER_CLASS", None)
-        monkeypatch.setattr(Conf, "REDIS", redis_url)
+    use_broker(broker, env)
     start_workers(1, **env)
     ids = [services.task_create(type="test.interruptible", params={"mode": "sleep", "steps": STEPS, "seconds": 0.25}).pk
            for _ in range(4)]
