@@ -111,7 +111,7 @@ def check_llm_models(app_configs, **kwargs):
         declared()
     except ModelsConfigError as exc:
         return [Error(str(exc), hint='LLM_MODELS is JSON: {"name": {"base_url": "http://host:8000/v1", "model": "…", '
-                                     '"api_key": "…"}}; README "Models" lists every field.', id="orchestrator.E040")]
+                                     '"api_key": "…"}}; docs/agent.md, "Models", lists every field.', id="orchestrator.E040")]
     return []
 
 

@@ -1,6 +1,6 @@
 """The harness's settings in one place: every ORCH_* environment variable, declared once
 with its type, default and meaning (TABLE). settings.py loads them (`from_environment`);
-the engine reads them through `harness`. The README's configuration table lists the same
+the engine reads them through `harness`. docs/configuration.md lists the same
 names (a test keeps the two in step)."""
 import os
 from collections.abc import Callable
@@ -124,7 +124,7 @@ TABLE: tuple[Setting, ...] = (
     Setting("ORCH_DEFAULT_MAX_TOKENS", int, 10_000_000, "default max_tokens of a task"),
     Setting("ORCH_DEFAULT_MAX_SECONDS", float, 24 * 3600.0, "default max_seconds (active time) of a task"),
     Setting("ORCH_DEFAULT_MAX_SUBTASKS", int, 4, "default max_subtasks (steps run at once) of a task"),
-    # --- what an agent may reach (the security model: README "Security model")
+    # --- what an agent may reach (the security model: docs/agent.md, "Security model")
     Setting("ORCH_AGENT_HOST_TOOLS", names, [],
             "agent tools that reach the host or the database (shell_run, db_query, db_upsert) this installation "
             "enables; an admin must still grant them per task"),

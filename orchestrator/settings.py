@@ -1,4 +1,4 @@
-"""Django settings, read from the environment (see README "Configuration").
+"""Django settings, read from the environment (see docs/configuration.md).
 
 The zero-config default is a SQLite file under var/; DATABASE_URL selects PostgreSQL.
 """
@@ -226,7 +226,7 @@ EMAIL_IMAP_SENT_FOLDER = os.environ.get("EMAIL_IMAP_SENT_FOLDER", "Sent")
 # --- The model (orchestrator/llm) ------------------------------------------------------
 # Any OpenAI-compatible Chat Completions server. The defaults point at the stand-in model
 # server (`manage.py standin_llm`, started by `make run`), which plans with rules: a
-# stand-in for a real model, so that everything runs offline. README "Models".
+# stand-in for a real model, so that everything runs offline. docs/agent.md, "Models".
 LLM_BASE_URL = os.environ.get("LLM_BASE_URL", "http://127.0.0.1:8011/v1")
 LLM_API_KEY = os.environ.get("LLM_API_KEY", "standin")
 LLM_MODEL = os.environ.get("LLM_MODEL", "standin-planner")

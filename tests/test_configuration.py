@@ -10,7 +10,7 @@ from orchestrator.conf import TABLE, from_environment
 from tests.conftest import ROOT
 
 
-def test_every_orch_setting_is_declared_once_and_documented_in_the_readme():
+def test_every_orch_setting_is_declared_once_and_documented_in_the_configuration_page():
     declared = [s.name for s in TABLE]
     assert len(declared) == len(set(declared))
     used = set()
@@ -18,9 +18,9 @@ def test_every_orch_setting_is_declared_once_and_documented_in_the_readme():
         used |= set(re.findall(r"\bORCH_[A-Z_]+[A-Z]\b", path.read_text()))
     passed_to_commands = {"ORCH_IDEMPOTENCY_KEY"}  # what shell.run gives its commands, not a setting
     assert used - set(declared) - passed_to_commands == set(), "ORCH_* names used in the code but not in conf.TABLE"
-    readme = (ROOT / "README.md").read_text()
-    undocumented = [name for name in declared if f"`{name}`" not in readme]
-    assert undocumented == [], "declared settings missing from the README's configuration table"
+    configuration = (ROOT / "docs" / "configuration.md").read_text()
+    undocumented = [name for name in declared if f"`{name}`" not in configuration]
+    assert undocumented == [], "declared settings missing from docs/configuration.md"
 
 
 def test_defaults_follow_other_settings_and_bad_values_are_refused_with_the_variable_named():

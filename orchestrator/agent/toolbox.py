@@ -8,7 +8,7 @@ key): `db_upsert`, `email_send`, `http_request`, `shell_run`, `memory_write`. Th
 role: tools/dbread.py), `memory_search` (long-term memory, a store of its own, scoped to the task's
 owner: never copied into a snapshot).
 
-Least privilege (README "Security model"): each tool declares its effect class and whether it
+Least privilege (docs/agent.md, "Security model"): each tool declares its effect class and whether it
 reaches the host or the database. An agent created with only a goal gets SAFE_DEFAULT (read-only,
 nothing of the host); a side-effect tool must be named; a host tool must be enabled by the
 installation (ORCH_AGENT_HOST_TOOLS) and granted by an admin; a non-idempotent call waits for a

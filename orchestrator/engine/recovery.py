@@ -37,7 +37,7 @@ WAITING = (S.QUEUED, S.RUNNING)  # with no lease holder: waiting for a worker to
 
 
 def log_fields(task: Task) -> dict:
-    """The context every recovery line carries (README, "Logs and traces"): the task, the
+    """The context every recovery line carries (docs/recovery.md, "Logs and traces"): the task, the
     checkpoint it resumes from, its last progress event (the one the action wrote, when it
     wrote one), its recovery attempts and lease epoch."""
     return {"task_id": task.pk, "checkpoint_version": task.checkpoint_version, "event_id": task.event_seq,

@@ -2,7 +2,7 @@
 
 It is a stand-in for a real model, so that the harness, its agent task type and their tests
 run offline and deterministically; point LLM_BASE_URL at a real server for real work
-(README "Models"). `python manage.py standin_llm --port 8011` serves it; `make run` starts it.
+(docs/agent.md, "Models"). `python manage.py standin_llm --port 8011` serves it; `make run` starts it.
 
 Protocol: `POST /v1/chat/completions` (streamed as server-sent events — `data: {chunk}` lines,
 then `data: [DONE]` — or one JSON body), `GET /v1/models`, and the Responses API in background

@@ -1,4 +1,4 @@
-"""The "Database unreachable" banner as a browser draws it (README, Outages; docs/recovery-claims.md
+"""The "Database unreachable" banner as a browser draws it (docs/recovery.md, Outages; docs/recovery-claims.md
 row 78). The server's side (the socket says `outage: unreachable`, then `reachable`, around a
 real PostgreSQL restart) is tests/engine/test_outages.py; here the page's socket is routed
 through Playwright to the real daphne, and the test speaks as that server would, so what is

@@ -296,7 +296,7 @@ def test_effects_settled_for_an_ended_task_are_logged_with_every_field(caplog):
 
 def test_every_line_of_the_recovery_module_carries_the_promised_fields(caplog, settings):
     """Whatever path ran, no line of orchestrator.engine.recovery with a resume_strategy lacks
-    one of the fields the README promises."""
+    one of the fields docs/recovery.md promises."""
     settings.ORCH_REQUEUE_AFTER_SECONDS = 0
     stale = services.task_create(type="test.effects", params={"kind": "nonidempotent"})
     worker_took(stale, [("email.send", {"to": "a@example.org", "subject": "s", "body": "b"}, False),

@@ -1,4 +1,4 @@
-"""The README's "How recovery works", claim by claim, where no other test proved it
+"""docs/recovery.md's "How recovery works", claim by claim, where no other test proved it
 (docs/recovery-claims.md maps every claim to its test): real servers that refuse, drop, reset
 or time out (tests/support/misbehaving.py), real subprocesses, real sweeper processes.
 
@@ -590,7 +590,7 @@ def test_an_outage_longer_than_the_stale_period_costs_no_step_and_no_recovery(pr
         assert output.count(f"{loop}: database unreachable") == 1, loop
         assert output.count(f"{loop}: database reachable again") == 1, loop
     # No traceback from the harness's loops; django-q2's ORM broker logs its own once per outage
-    # (its pusher logs the failed pull, sleeps 10 s and is restarted), as the README says.
+    # (its pusher logs the failed pull, sleeps 10 s and is restarted), as docs/recovery.md says.
     logs = workers + sweeping + serving
     with_traceback = [record for record in json_records(logs) if "exc_info" in record]
     assert [(r["logger"], r["message"]) for r in with_traceback] in (
@@ -634,7 +634,7 @@ def test_an_executor_starts_its_first_step_soon_and_a_dead_hosts_task_runs_again
     ran_again = (Step.objects.get(task=orphan, step_id="step-1").started_at - taken_back).total_seconds()
     print(f"claim to first step {forked_to_first_step:.3f} s; lease taken back to first step {ran_again:.3f} s")
     # The imports alone (the agent's openai client) took 0.45 s in each executor before the
-    # worker did them once before forking; the README says "a fraction of a second" ...
+    # worker did them once before forking; docs/recovery.md says "a fraction of a second" ...
     assert 0 <= forked_to_first_step < 0.5, forked_to_first_step
     # ... and "about half a second" from the lease taken back (the recovery) to its first step.
     assert 0 <= ran_again < 1.0, ran_again
