@@ -159,6 +159,8 @@ def requeue_unclaimed(now=None, budget: float | None = None) -> list[int]:
         if view is None:
             view = stranded.look() or False  # once per pass, and only when there is something to re-send
         first = bool(view) and view.stranded(task_id, enqueued_at)
+        if not first and view and view.in_broker(task_id, enqueued_at):
+            continue  # its message waits in the broker: a copy behind it would add nothing
         # Compare-and-set: of several sweepers, one re-sends it.
         if Task.objects.filter(pk=task_id, status__in=WAITING, lease_owner="", enqueued_at=enqueued_at).update(
                 enqueued_at=now):

@@ -191,3 +191,84 @@ def test_a_look_at_redis_skips_what_was_put_first_and_tells_nothing_from_an_empt
     assert view.stranded(old.pk, old.enqueued_at)  # its message left the list and never ran
     assert not view.stranded(waiting.pk, waiting.enqueued_at)  # its message is the head
     assert not view.stranded(newer.pk, Task.objects.get(pk=newer.pk).enqueued_at)
+
+
+def recorded_sends(monkeypatch) -> list[tuple[str, int]]:
+    """The sweeper's sends (which still reach the broker), in order: ("send" | "send_first", id)."""
+    from orchestrator.engine import scheduler
+
+    sent = []
+    for name in ("send", "send_first"):
+        original = getattr(scheduler, name)
+        monkeypatch.setattr(scheduler, name, lambda task_id, name=name, original=original:
+                            sent.append((name, task_id)) or original(task_id))
+    return sent
+
+
+def test_redis_a_task_whose_message_waits_is_not_re_sent_and_a_lost_send_goes_first_once_the_head_passes_it(
+        use_broker, settings, monkeypatch):
+    """Re-sending every waiting task each window multiplied a backlog's messages (14,444 ORM rows
+    for 1,000 tasks in bench/hosts.py). A task sent after the oldest message still waiting has its
+    own message in the list: no copy. A send lost between the commit and the broker looks the same
+    until the list's head passes its hand-over; then it reads as stranded and goes first."""
+    import redis
+    from django_q.signing import SignedPackage
+
+    from orchestrator.engine import recovery, scheduler, stranded
+
+    settings.ORCH_REQUEUE_AFTER_SECONDS = 0
+    client = redis.Redis.from_url(use_broker("redis", {}))
+    queue = "django_q:orchestrator:q"
+
+    def after_the_send_lag(task) -> None:
+        wait_for(lambda: timezone.now() - Task.objects.get(pk=task.pk).enqueued_at > stranded.SEND_LAG, timeout=5,
+                 message="the send lag to pass")
+
+    old = services.task_create(type="demo.pipeline", params=SHORT)
+    after_the_send_lag(old)
+    waiting = services.task_create(type="demo.pipeline", params=SHORT)
+    with monkeypatch.context() as crash:
+        crash.setattr(scheduler, "send", lambda task_id: True)  # committed, never sent
+        lost = services.task_create(type="demo.pipeline", params=SHORT)
+    assert SignedPackage.loads(client.lpop(queue))["args"] == (old.pk,)  # taken by a cluster that died
+    sent = recorded_sends(monkeypatch)
+
+    assert recovery.requeue_unclaimed() == [old.pk]
+    assert sent == [("send_first", old.pk)]  # waiting's message is the head; lost's looks as if behind it
+    assert [SignedPackage.loads(m)["args"] for m in client.lrange(queue, 0, -1)] == [(old.pk,), (waiting.pk,)]
+    assert recovery.requeue_unclaimed() == []  # and again: no copies pile up
+
+    # A cluster runs both messages; a newer task's message becomes the head, past lost's hand-over.
+    client.delete(queue)
+    Task.objects.filter(pk__in=(old.pk, waiting.pk)).update(status="completed")
+    after_the_send_lag(lost)
+    newer = services.task_create(type="demo.pipeline", params=SHORT)
+    sent.clear()
+    assert recovery.requeue_unclaimed() == [lost.pk]
+    assert sent == [("send_first", lost.pk)]  # newer's own message waits: not re-sent
+    assert [SignedPackage.loads(m)["args"] for m in client.lrange(queue, 0, -1)] == [(lost.pk,), (newer.pk,)]
+
+
+def test_orm_a_task_with_a_waiting_row_is_not_re_sent_a_taken_one_goes_first_a_lost_one_goes_back(
+        use_broker, settings, monkeypatch):
+    from django_q.models import OrmQ
+
+    from orchestrator.engine import recovery, scheduler
+
+    settings.ORCH_REQUEUE_AFTER_SECONDS = 0
+    use_broker("orm", {})
+    taken = services.task_create(type="demo.pipeline", params=SHORT)
+    OrmQ.objects.update(lock=timezone.now() + timedelta(hours=1))  # a cluster took it, and died
+    waiting = services.task_create(type="demo.pipeline", params=SHORT)
+    with monkeypatch.context() as crash:
+        crash.setattr(scheduler, "send", lambda task_id: True)  # committed, never sent
+        lost = services.task_create(type="demo.pipeline", params=SHORT)
+    assert OrmQ.objects.count() == 2
+    sent = recorded_sends(monkeypatch)
+
+    assert sorted(recovery.requeue_unclaimed()) == sorted([taken.pk, lost.pk])
+    assert sorted(sent) == [("send", lost.pk), ("send_first", taken.pk)]  # waiting's row is there: no copy
+    assert OrmQ.objects.count() == 4
+    sent.clear()
+    recovery.requeue_unclaimed()
+    assert ("send", waiting.pk) not in sent and ("send_first", waiting.pk) not in sent
