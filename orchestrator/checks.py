@@ -9,6 +9,7 @@ from django.conf import settings
 from django.core.checks import Error, Warning, register
 
 from . import extensions
+from .conf import TABLE
 
 TAG = "orchestrator"
 
@@ -40,6 +41,20 @@ def check_lease_timing(app_configs, **kwargs):
             "ORCH_RECOVERY_TIMEOUT_SECONDS is not longer than ORCH_STALE_AFTER_SECONDS: recoveries are given up "
             "before a worker can take them.", hint="Use minutes (the default is 300).", id="orchestrator.W005"))
     return problems
+
+
+POLL_INTERVALS = ("ORCH_CONTROL_POLL_SECONDS", "ORCH_EXECUTOR_WATCH_SECONDS", "ORCH_EXECUTOR_CONTROL_POLL_SECONDS")
+
+
+@register(TAG)
+def check_poll_intervals(app_configs, **kwargs):
+    """A poll interval of 0 spins a CPU (and the control polls query the database without
+    pause); a negative one spins as well, or stops the worker's watchdog (time.sleep refuses it)."""
+    defaults = {setting.name: setting.default for setting in TABLE}
+    return [Error(f"{name} is {getattr(settings, name)!r}: a poll interval must be more than 0 seconds.",
+                  hint=f"Unset {name} for its default ({defaults[name]:g} s), or set a small positive number.",
+                  id="orchestrator.E007")
+            for name in POLL_INTERVALS if not getattr(settings, name) > 0]
 
 
 @register(TAG)

@@ -9,7 +9,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from orchestrator.conf import from_environment
+from orchestrator.conf import env_bool, from_environment
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 # Every ORCH_* setting, from its one declaration (orchestrator/conf.py TABLE).
@@ -17,14 +17,9 @@ ORCH = from_environment(os.environ)
 globals().update(ORCH)
 VAR_DIR = ORCH["ORCH_VAR_DIR"]
 VAR_DIR.mkdir(parents=True, exist_ok=True)
-
-
-def env_bool(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    return value.strip().lower() in {"1", "true", "yes", "on"}
-
+# True-or-false variables outside conf.TABLE (DEBUG, EMAIL_IMAP_USE_SSL) are read by env_bool,
+# with the parser TABLE's own use (conf.boolean): 1/true/yes/on, 0/false/no/off; any other
+# word stops the start with the variable named.
 
 DEV_SECRET_KEY = "dev-only-insecure-secret-key-change-me-in-production"  # orchestrator.checks E011 looks for it
 # Off unless asked for: `make run` (and the test suite) set DEBUG=true; a server started any
@@ -217,8 +212,7 @@ DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "orchestrator@localhos
 # (orchestrator/tools/email.py). Empty EMAIL_IMAP_HOST: no copy, no probe.
 EMAIL_IMAP_HOST = os.environ.get("EMAIL_IMAP_HOST", "")
 EMAIL_IMAP_PORT = int(os.environ.get("EMAIL_IMAP_PORT", "993"))
-EMAIL_IMAP_USE_SSL = os.environ.get("EMAIL_IMAP_USE_SSL", "true" if EMAIL_IMAP_PORT == 993 else "false").lower() in (
-    "1", "true", "yes")
+EMAIL_IMAP_USE_SSL = env_bool("EMAIL_IMAP_USE_SSL", EMAIL_IMAP_PORT == 993)
 EMAIL_IMAP_USER = os.environ.get("EMAIL_IMAP_USER", "")
 EMAIL_IMAP_PASSWORD = os.environ.get("EMAIL_IMAP_PASSWORD", "")
 EMAIL_IMAP_SENT_FOLDER = os.environ.get("EMAIL_IMAP_SENT_FOLDER", "Sent")

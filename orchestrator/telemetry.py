@@ -38,6 +38,7 @@ from contextlib import contextmanager
 
 from opentelemetry import context as otel_context, trace
 
+from .conf import TRUE_WORDS
 from .logging import CONTEXT_FIELDS
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,10 @@ OUTCOME_FIELDS = ("task_id", "checkpoint_version", "event_id", "lease_epoch", "r
 
 
 def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+    """conf.boolean's true words; anything else is false (OTEL_SDK_DISABLED is OpenTelemetry's,
+    which reads an unknown value as false; ORCH_OTEL_CONSOLE was already refused at start-up
+    by conf.from_environment if it was not true or false)."""
+    return (value or "").strip().lower() in TRUE_WORDS
 
 
 def tracing_enabled() -> bool:

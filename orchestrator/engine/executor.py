@@ -30,9 +30,6 @@ from .runner import Runner
 
 log = logging.getLogger(__name__)
 
-WATCH_INTERVAL = 0.05
-CONTROL_POLL = 0.1
-
 
 def run_isolated(lease: Lease) -> str:
     processes.become_subreaper()
@@ -113,15 +110,16 @@ class Watchdog:
             if done == self.pid:
                 return self.after_exit(status)
             if time.monotonic() >= next_poll:
-                next_poll = time.monotonic() + CONTROL_POLL
+                next_poll = time.monotonic() + harness.executor_control_poll_seconds
                 verdict = self.check_control()
                 if verdict:
                     return verdict
-            time.sleep(WATCH_INTERVAL)
+            time.sleep(harness.executor_watch_seconds)
 
     def check_control(self) -> str:
         try:
-            with telemetry.quiet():  # polled ten times a second, inside the drive span: no SQL spans
+            # Polled every ORCH_EXECUTOR_CONTROL_POLL_SECONDS (0.1), inside the drive span: no SQL spans.
+            with telemetry.quiet():
                 row = (Task.objects.filter(pk=self.lease.task_id)
                        .values("control", "control_requested_at", "lease_epoch", "status", "heartbeat_at").first())
                 self.beat_while_starting(row)
