@@ -41,11 +41,3 @@ def token_authenticate(raw: str):
         raise TokenRejected("Bearer token of a deactivated user: ask an administrator to reactivate the account.")
     ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
     return token.user
-
-
-def token_user(raw: str):
-    """The active user a raw token belongs to, or None."""
-    try:
-        return token_authenticate(raw)
-    except TokenRejected:
-        return None

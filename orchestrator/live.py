@@ -76,10 +76,6 @@ def channel_closed(layer, name: str) -> None:
         buffers.pop(name, None)
 
 
-def open_channel_count() -> int:
-    return len(_open_channels)
-
-
 def prune_receive_buffers(layer) -> int:
     """Drop the buffered messages of channels no open websocket of this process owns; the
     number dropped. Only non-empty buffers: an empty one is a receive waiting, maybe of a

@@ -42,6 +42,17 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+@pytest.fixture(autouse=True)
+def extra_task_types(request):
+    """`@pytest.mark.task_types("tests.support.testtypes", ...)` on a test, or as a module's
+    `pytestmark`: ORCH_EXTRA_TASK_TYPES is exactly those modules, in that order, for the test
+    (through pytest-django's `settings`, restored after it). Unmarked tests are left alone.
+    Worker processes a test starts still need the setting in their environment."""
+    marker = request.node.get_closest_marker("task_types")
+    if marker is not None:
+        request.getfixturevalue("settings").ORCH_EXTRA_TASK_TYPES = list(marker.args)
+
+
 def free_port() -> int:
     import socket
 
@@ -197,6 +208,16 @@ def start_web(transactional_db, tmp_path):
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture
+def standin_server():
+    """The stand-in model server (orchestrator/llm/standin.py) on a free port, streaming a token
+    every 0.5 ms, for worker processes to talk to (give them its base_url)."""
+    from orchestrator.llm.standin import StandinServer
+
+    with StandinServer(token_seconds=0.0005) as server:
+        yield server
 
 
 @pytest.fixture

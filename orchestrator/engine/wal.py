@@ -265,14 +265,6 @@ def new_entry(lease: Lease, step_id: str, call_index: int, tool_name: str, args:
                                    worker=f"{lease.host}:{lease.pid}")
 
 
-def write_intent(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args: dict, key: str,
-                 idempotent: bool) -> WalEntry:
-    """Commit an intent on its own (what perform() does before an effect outside this database)."""
-    with transaction.atomic():
-        bump_fenced(lease)  # a worker whose lease is stale writes no intent
-        return new_entry(lease, step_id, call_index, tool_name, args, key, idempotent)
-
-
 def mark_failed(entry_id: int, error: Exception) -> None:
     WalEntry.objects.filter(pk=entry_id, status=WalStatus.PENDING).update(
         status=WalStatus.FAILED, error=f"{type(error).__name__}: {error}"[:5000], completed_at=timezone.now())

@@ -7,7 +7,6 @@ import time
 import pytest
 from orchestrator.agent import history
 from orchestrator.engine import services
-from orchestrator.llm.standin import StandinServer
 from orchestrator.models import AgentMemory, AgentMessage, Task, TaskEvent, WalEntry
 from review.models import ReviewItem
 from review.services import review_decide
@@ -20,19 +19,13 @@ LONG_GOAL = ("Explain in plain words why a durable task harness checkpoints ever
              "intent is for, and why an idempotency key makes a replay safe")
 
 
-@pytest.fixture
-def model():
-    with StandinServer(token_seconds=0.0005) as server:
-        yield server
-
-
 def model_env(server, model: str = "standin-planner") -> dict:
     return {"LLM_BASE_URL": server.base_url, "LLM_API_KEY": "standin", "LLM_MODEL": model}
 
 
 def test_pause_mid_stream_keeps_the_partial_answer_and_resume_continues_from_the_exact_history(
-        model, start_workers):
-    start_workers(1, **model_env(model, "standin-planner+slow=0.1"))
+        standin_server, start_workers):
+    start_workers(1, **model_env(standin_server, "standin-planner+slow=0.1"))
     task = services.task_create(type="agent.plan_execute", params={"goal": LONG_GOAL, "tools": []})
     wait_for(lambda: TaskEvent.objects.filter(task=task, kind="progress", payload__message="agent.stream").exists(),
              timeout=60, message="the answer streaming")
@@ -46,11 +39,11 @@ def test_pause_mid_stream_keeps_the_partial_answer_and_resume_continues_from_the
     # Its tokens were counted at the pause (a Stop instead would end the task with no other attempt).
     assert partial.content and partial.tokens_estimated and partial.accounted
     assert task.tokens_used == partial.prompt_tokens + partial.completion_tokens
-    first = model.requests[-1].body["messages"]
+    first = standin_server.requests[-1].body["messages"]
     services.task_resume(task_id=task.pk)
     task = settle(task.pk, timeout=60)
     assert task.status == "completed"
-    resumed = model.requests[-1].body["messages"]
+    resumed = standin_server.requests[-1].body["messages"]
     # The exact history, then the kept partial answer and the note that it was interrupted.
     assert resumed[:len(first)] == first
     assert resumed[len(first):] == [{"role": "assistant", "content": partial.content},
@@ -64,10 +57,10 @@ def test_pause_mid_stream_keeps_the_partial_answer_and_resume_continues_from_the
 
 
 def test_kill_9_after_the_email_went_out_goes_to_review_and_exactly_one_email_is_sent(
-        model, start_workers, smtp_server, tmp_path, make_user):
+        standin_server, start_workers, smtp_server, tmp_path, make_user):
     # The first side effect of this goal is the email (reading contracts is not one): the
     # executor is killed right after the SMTP server took it, before the WAL knew.
-    start_workers(1, **model_env(model), EMAIL_HOST="127.0.0.1", EMAIL_PORT=smtp_server.port,
+    start_workers(1, **model_env(standin_server), EMAIL_HOST="127.0.0.1", EMAIL_PORT=smtp_server.port,
                   ORCH_FAULTS="after_effect:kill-once", ORCH_VAR_DIR=tmp_path, ORCH_AGENT_EMAIL_ALLOW="*@example.org")
     task = services.task_create(type="agent.plan_execute",
                                 params={"goal": "Parse the 3 contracts and email a summary to ops@example.org",
@@ -88,15 +81,15 @@ def test_kill_9_after_the_email_went_out_goes_to_review_and_exactly_one_email_is
     # The model was told the email's outcome (the reviewer's), and every call had its answer.
     email_answer = AgentMessage.objects.get(task=task, role="tool", name="email_send")
     assert "confirmed_by_reviewer" in email_answer.content
-    for request in model.requests:
+    for request in standin_server.requests:
         messages = request.body["messages"]
         calls = [c["id"] for m in messages for c in m.get("tool_calls") or []]
         assert sorted(calls) == sorted(m["tool_call_id"] for m in messages if m["role"] == "tool")
 
 
 def test_kill_9_mid_stream_redoes_the_turn_from_what_had_streamed_and_counts_the_lost_tokens_once(
-        model, start_workers):
-    start_workers(1, **model_env(model, "standin-planner+slow=0.1"))
+        standin_server, start_workers):
+    start_workers(1, **model_env(standin_server, "standin-planner+slow=0.1"))
     task = services.task_create(type="agent.plan_execute", params={"goal": LONG_GOAL, "tools": []})
     wait_for(lambda: TaskEvent.objects.filter(task=task, kind="progress", payload__message="agent.stream").exists(),
              timeout=60, message="the answer streaming")
@@ -108,7 +101,7 @@ def test_kill_9_mid_stream_redoes_the_turn_from_what_had_streamed_and_counts_the
     [lost] = AgentMessage.objects.filter(task=task, role="assistant", interrupted=True)
     assert lost.content and lost.tokens_estimated and lost.accounted
     final = AgentMessage.objects.get(task=task, role="assistant", interrupted=False)
-    redo = model.requests[-1].body["messages"]
+    redo = standin_server.requests[-1].body["messages"]
     assert redo[-2:] == [{"role": "assistant", "content": lost.content},
                          {"role": "user", "content": history.INTERRUPTED_NOTE}]
     # Tokens: the completed call's usage plus the lost attempt's estimate, once.
@@ -122,9 +115,9 @@ def test_kill_9_mid_stream_redoes_the_turn_from_what_had_streamed_and_counts_the
                       ("completed", False, final.prompt_tokens, final.completion_tokens)]
 
 
-def test_kill_9_during_an_idempotent_tool_call_replays_it_with_its_key(model, start_workers, tmp_path):
+def test_kill_9_during_an_idempotent_tool_call_replays_it_with_its_key(standin_server, start_workers, tmp_path):
     # memory_write (db.upsert) is the first side effect of this goal; its transaction dies with the process.
-    start_workers(1, **model_env(model), ORCH_FAULTS="after_intent:kill-once", ORCH_VAR_DIR=tmp_path)
+    start_workers(1, **model_env(standin_server), ORCH_FAULTS="after_intent:kill-once", ORCH_VAR_DIR=tmp_path)
     task = services.task_create(type="agent.plan_execute",
                                 params={"goal": "Parse the 2 contracts and remember the summary",
                                         "tools": ["contracts_list", "contracts_read", "memory_write"]})
@@ -138,8 +131,8 @@ def test_kill_9_during_an_idempotent_tool_call_replays_it_with_its_key(model, st
     assert memory.task_id == task.pk and "contract" in memory.value.lower()
 
 
-def test_stop_mid_stream_ends_the_call_at_once_and_keeps_what_had_streamed(model, start_workers):
-    start_workers(1, **model_env(model, "standin-planner+slow=0.1"))
+def test_stop_mid_stream_ends_the_call_at_once_and_keeps_what_had_streamed(standin_server, start_workers):
+    start_workers(1, **model_env(standin_server, "standin-planner+slow=0.1"))
     task = services.task_create(type="agent.plan_execute", params={"goal": LONG_GOAL, "tools": []})
     wait_for(lambda: TaskEvent.objects.filter(task=task, kind="progress", payload__message="agent.stream").exists(),
              timeout=60, message="the answer streaming")
@@ -157,14 +150,14 @@ def test_stop_mid_stream_ends_the_call_at_once_and_keeps_what_had_streamed(model
 
 
 def test_kill_9_during_a_compaction_asks_for_the_summary_again_once_and_counts_the_lost_attempt(
-        model, start_workers, tmp_path, settings):
+        standin_server, start_workers, tmp_path, settings):
     from orchestrator.agent import compaction
     from orchestrator.models import Step
 
     settings.ORCH_EXTENSIONS = ["tests.agent.long_run_tools"]  # this process validates the params too
 
     # Killed after the model answered the summary request, before the summary row was written.
-    start_workers(1, **model_env(model, "standin-planner+context_window=8192"), LLM_CONTEXT_WINDOW="8192",
+    start_workers(1, **model_env(standin_server, "standin-planner+context_window=8192"), LLM_CONTEXT_WINDOW="8192",
                   ORCH_EXTENSIONS="tests.agent.long_run_tools", ORCH_FAULTS="compaction_answered:kill-once",
                   ORCH_VAR_DIR=tmp_path)
     task = services.task_create(type="agent.plan_execute", params={
@@ -178,7 +171,7 @@ def test_kill_9_during_a_compaction_asks_for_the_summary_again_once_and_counts_t
     assert len(compacted) == 1, [s.result for s in Step.objects.filter(task=task, step_id__startswith="compact-")]
     # Two requests for that summary: the one whose answer died with the process, and one after;
     # one summary row; the lost attempt kept as an interrupted row and counted once.
-    asked = [r for r in model.requests if r.body["messages"][0]["content"] == compaction.SUMMARY_PROMPT]
+    asked = [r for r in standin_server.requests if r.body["messages"][0]["content"] == compaction.SUMMARY_PROMPT]
     assert len(asked) == 2
     [summary] = AgentMessage.objects.filter(task=task, role="summary", interrupted=False)
     [lost] = AgentMessage.objects.filter(task=task, role="summary", interrupted=True)

@@ -21,15 +21,10 @@ from orchestrator.models import AuditEntry, InboundEvent, Step, Task, TaskEvent,
 from tests.conftest import wait_for
 from tests.support.helpers import settle
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.testtypes")]
 
 # The web servers and workers a test starts must know the test task types too.
 TEST_TYPES = {"ORCH_EXTRA_TASK_TYPES": "tests.support.testtypes"}
-
-
-@pytest.fixture(autouse=True)
-def test_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
 
 
 class Api:

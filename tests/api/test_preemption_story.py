@@ -7,9 +7,9 @@ import urllib.request
 import pytest
 
 from orchestrator.auth import token_issue
-from orchestrator.models import InboundEvent, Step, Task, TaskEvent
+from orchestrator.models import InboundEvent, Step, Task
 from tests.conftest import wait_for
-from tests.support.helpers import settle
+from tests.support.helpers import done_order, settle
 
 pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 
@@ -46,8 +46,7 @@ def test_contracts_preempted_after_8_reparse_5_first_then_9_to_20_and_the_summar
     assert task.status == "completed", task.status_reason
     event = InboundEvent.objects.get(task_id=task_id, seq=sent["seq"])
     reparse = f"reparse-05-strict-e{event.seq}"
-    order = list(TaskEvent.objects.filter(task_id=task_id, kind="step_done").order_by("seq")
-                 .values_list("payload__step", flat=True))
+    order = done_order(task_id)
     at = order.index(reparse)
     contracts = [f"contract-{i:02d}" for i in range(1, 21)]
     # Re-parsed next (the contract that was pacing when it came was interrupted), then the rest.

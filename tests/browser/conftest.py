@@ -116,6 +116,11 @@ def in_thread(fn, *args, **kwargs):
     return result[0]
 
 
+def header_badge(page):
+    """The status badge in a task page's header."""
+    return page.get_by_test_id("task-header").get_by_test_id("task-status")
+
+
 class Server:
     """`python -m daphne orchestrator.asgi:application` on a free port."""
 

@@ -17,7 +17,7 @@ from playwright.sync_api import expect
 from orchestrator.engine import services
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import AuditEntry, Step, Task, TaskEvent
-from tests.browser.conftest import in_thread
+from tests.browser.conftest import header_badge, in_thread
 from tests.conftest import wait_for
 from tests.support.controls import controls
 
@@ -26,10 +26,6 @@ pytestmark = [pytest.mark.browser, pytest.mark.workers, pytest.mark.django_db(tr
 LIVE = 60_000  # ms: worker start-up plus the run
 TEST_TYPES = {"ORCH_EXTRA_TASK_TYPES": "tests.support.testtypes"}
 BUTTONS = ("btn-stop", "btn-pause", "btn-resume", "btn-terminate", "btn-edit", "btn-skip-step", "btn-rollback")
-
-
-def header_badge(page):
-    return page.get_by_test_id("task-header").get_by_test_id("task-status")
 
 
 def stage_processes(task_id: int) -> list[str]:

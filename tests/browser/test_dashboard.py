@@ -19,7 +19,7 @@ from playwright.sync_api import expect
 from orchestrator.engine import services
 from orchestrator.engine.states import InvalidTransition
 from orchestrator.models import Task, TaskEvent, WalEntry
-from tests.browser.conftest import ROOT, in_thread
+from tests.browser.conftest import ROOT, header_badge, in_thread
 from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.workers, pytest.mark.django_db(transaction=True)]
@@ -50,10 +50,6 @@ OBSERVE_DETAIL = """() => {
 
 def event_seqs(page) -> list[int]:
     return page.locator('[data-testid="event-row"]').evaluate_all("rows => rows.map(r => Number(r.dataset.seq))")
-
-
-def header_badge(page):
-    return page.get_by_test_id("task-header").get_by_test_id("task-status")
 
 
 def task_row(page, task_id: int):

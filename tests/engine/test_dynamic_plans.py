@@ -11,12 +11,7 @@ from orchestrator.models import Snapshot, Step, StepResult, Task, TaskEvent, Wal
 from demo.models import DemoDestination
 from tests.support.helpers import bearer
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def test_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.testtypes")]
 
 
 def run(task_id: int) -> Task:

@@ -22,15 +22,10 @@ from review.models import ReviewItem
 from review.services import review_decide
 from tests.conftest import wait_for
 
-pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
-
 TYPES = "tests.support.testtypes"
 ENDED = ("stopped", "terminated")
 
-
-@pytest.fixture(autouse=True)
-def test_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = [TYPES]
+pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True), pytest.mark.task_types(TYPES)]
 
 
 @pytest.fixture

@@ -10,12 +10,7 @@ from orchestrator.engine.lease import claim
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import AuditEntry, Step, Task, TaskEvent
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def test_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.testtypes")]
 
 
 def run(params: dict) -> Task:

@@ -22,12 +22,7 @@ from review.services import review_decide
 from tests.conftest import process_env, wait_for
 from tests.engine.test_outages import create_tasks, private_postgres, query, statuses  # noqa: F401 (a fixture)
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def soak_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["bench.soak_types"]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("bench.soak_types")]
 
 
 class ActsThenAnswers502:

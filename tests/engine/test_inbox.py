@@ -13,12 +13,7 @@ from orchestrator.models import InboundEvent, Step, Task, TaskEvent
 from tests.conftest import wait_for
 from tests.support.helpers import bearer, settle
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def test_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.testtypes")]
 
 
 def growing(**params) -> Task:

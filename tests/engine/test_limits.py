@@ -7,12 +7,7 @@ from orchestrator.engine.states import InvalidTransition
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import Step, Task
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def test_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.testtypes")]
 
 
 def create(limits: dict, **params) -> Task:

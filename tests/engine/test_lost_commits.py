@@ -10,12 +10,7 @@ from orchestrator.engine import checkpoint, services
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import Snapshot, Step, Task, TaskEvent
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def test_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.testtypes")]
 
 
 @pytest.fixture

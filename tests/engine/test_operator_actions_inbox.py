@@ -7,12 +7,7 @@ from orchestrator.engine import inbox, revisions, services
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import AuditEntry, InboundEvent, Task
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def test_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.testtypes")]
 
 
 def the_row(task: Task, type_name: str) -> InboundEvent:

@@ -8,12 +8,7 @@ from orchestrator.models import Task, WalEntry
 from review.models import ReviewItem
 from review.services import review_decide
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def test_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.testtypes")]
 
 
 def effect_task(**params) -> Task:

@@ -14,15 +14,10 @@ from review.models import ReviewItem
 from tests.conftest import wait_for
 from tests.support.testtypes import starts
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.testtypes")]
 
 
 TEST_TYPES = {"ORCH_EXTRA_TASK_TYPES": "tests.support.testtypes"}
-
-
-@pytest.fixture(autouse=True)
-def test_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
 
 
 def status(task_id: int) -> str:

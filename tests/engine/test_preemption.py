@@ -5,19 +5,15 @@ import pytest
 from orchestrator.engine import inbox, services, snapshots
 from orchestrator.engine.inbox import InboxRefused
 from orchestrator.engine.worker import drive_inline
-from orchestrator.models import InboundEvent, Step, Task, TaskEvent
+from orchestrator.models import InboundEvent, Step, Task
 from demo.models import DemoContractExtraction
 from tests.support import helpers
+from tests.support.helpers import done_order
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 REPARSE_5 = {"subtask": "reparse", "args": {"contract": 5, "extractor": "strict"},
              "reason": "re-parse contract #5 first with the strict extractor"}
-
-
-def done_order(task_id: int) -> list[str]:
-    return list(TaskEvent.objects.filter(task_id=task_id, kind="step_done").order_by("seq")
-                .values_list("payload__step", flat=True))
 
 
 @pytest.fixture

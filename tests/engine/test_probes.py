@@ -26,14 +26,10 @@ from orchestrator.tools.email import message_id
 from review.models import ReviewItem
 from review.services import review_open
 from tests.support import dovecot as dovecot_support
+from tests.support.helpers import one_effect
 from tests.support.keyed_server import KeyedServer, _Handler as KeyedHandler
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def probe_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.probe_types"]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.probe_types")]
 
 
 # --- servers ------------------------------------------------------------------------------
@@ -151,12 +147,6 @@ def imap(settings):
 
 
 # --- helpers ------------------------------------------------------------------------------
-
-def one_effect(tool: str, args: dict, **params) -> Task:
-    task = services.task_create(type="test.one_effect", params={"tool": tool, "args": args, **params})
-    drive_inline(task.pk)
-    return Task.objects.get(pk=task.pk)
-
 
 def open_items(task: Task) -> list[ReviewItem]:
     return list(ReviewItem.objects.filter(task=task, status="open"))

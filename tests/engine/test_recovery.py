@@ -11,7 +11,7 @@ from orchestrator.models import Step, Task, TaskEvent, WalEntry
 from review.models import ReviewItem
 from review.services import review_decide
 from tests.conftest import wait_for
-from tests.support.helpers import settle
+from tests.support.helpers import settle, stage_processes
 
 pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 
@@ -94,13 +94,6 @@ def test_recovery_gives_up_after_max_attempts(start_workers, settings, tmp_path)
     assert task.status == "needs_human"
     assert "recovery attempts exhausted" in task.status_reason
     assert TaskEvent.objects.filter(task=task, kind="recovery").count() == 2
-
-
-def stage_processes(task_id: int) -> list[str]:
-    import subprocess
-
-    out = subprocess.run(["pgrep", "-af", f"task-{task_id}/stage-"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "pgrep" not in line]
 
 
 def test_a_worker_shut_down_kills_its_executor_and_hands_the_task_back(start_workers):

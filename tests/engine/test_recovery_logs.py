@@ -17,15 +17,15 @@ from orchestrator.logging import JsonFormatter
 from orchestrator.models import IdempotencyRecord, Task, TaskEvent
 from orchestrator.tasktypes import get_type
 from tests.conftest import wait_for
+from tests.support.helpers import write_intent
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.testtypes")]
 
 REQUIRED = ("task_id", "checkpoint_version", "event_id", "resume_strategy", "recovery_attempt")
 
 
 @pytest.fixture(autouse=True)
 def setup(settings, caplog):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
     settings.ORCH_STALE_AFTER_SECONDS = 0.1
     caplog.set_level(logging.DEBUG, logger="orchestrator")
 
@@ -37,8 +37,8 @@ def worker_took(task: Task, intents=(), **task_fields):
     assert lease is not None
     task_type = get_type(task.type)
     checkpoint.ensure_plan(lease=lease, task_type=task_type, params=task_type.Params.model_validate(task.params))
-    entries = [wal.write_intent(lease=lease, step_id="effect", call_index=i, tool_name=tool, args=args,
-                                key=wal.idempotency_key(task.pk, "effect", i), idempotent=idempotent)
+    entries = [write_intent(lease=lease, step_id="effect", call_index=i, tool_name=tool, args=args,
+                            key=wal.idempotency_key(task.pk, "effect", i), idempotent=idempotent)
                for i, (tool, args, idempotent) in enumerate(intents)]
     Task.objects.filter(pk=task.pk).update(heartbeat_at=F("heartbeat_at") - timedelta(seconds=5), **task_fields)
     return lease, entries

@@ -33,16 +33,12 @@ from orchestrator.tasktypes import get_type
 from orchestrator.tools.base import get_tool
 from review.models import ReviewItem
 from tests.conftest import wait_for
-from tests.support.helpers import drive_and_close
+from tests.support.helpers import drive_and_close, one_effect
 from tests.engine.test_outages import private_postgres  # noqa: F401  (a fixture)
 from tests.support.misbehaving import ScriptedHttpServer, UnreachableListener
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def test_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.probe_types", "tests.support.testtypes"]
+pytestmark = [pytest.mark.django_db(transaction=True),
+              pytest.mark.task_types("tests.support.probe_types", "tests.support.testtypes")]
 
 
 @pytest.fixture
@@ -56,13 +52,6 @@ def scripted():
     yield start
     for server in servers:
         server.stop()
-
-
-def one_effect(tool: str, args: dict, **params) -> Task:
-    """A task of three steps whose middle one performs `tool` with `args`, run to its end."""
-    task = services.task_create(type="test.one_effect", params={"tool": tool, "args": args, **params})
-    drive_inline(task.pk)
-    return Task.objects.get(pk=task.pk)
 
 
 def the_entry(task: Task) -> WalEntry:

@@ -9,12 +9,7 @@ from orchestrator.engine.worker import drive_inline
 from orchestrator.models import AuditEntry, Snapshot, Step, Task, WalEntry
 from demo.models import DemoDestination, DemoSource
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def test_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.testtypes")]
 
 
 def run(task_id: int) -> Task:

@@ -5,12 +5,13 @@ import pytest
 from django.db.models import F
 from django.utils import timezone
 
-from orchestrator.engine import checkpoint, lease as leases, services, wal
+from orchestrator.engine import checkpoint, lease as leases, services
 from orchestrator.engine.lease import LeaseLost
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import Snapshot, Step, Task, TaskEvent, WalEntry
 from demo.models import DemoDestination, DemoSource
 from orchestrator.tasktypes import get_type
+from tests.support.helpers import write_intent
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -88,8 +89,8 @@ def test_a_stale_lease_epoch_cannot_commit_a_step():
     assert plan.status["prepare-source"] == "pending"
     # and the old holder cannot even write a WAL intent
     with pytest.raises(LeaseLost):
-        wal.write_intent(lease=old, step_id="batch-0001", call_index=0, tool_name="db.upsert", args={},
-                         key="k-stale", idempotent=True)
+        write_intent(lease=old, step_id="batch-0001", call_index=0, tool_name="db.upsert", args={},
+                     key="k-stale", idempotent=True)
     assert not WalEntry.objects.filter(idempotency_key="k-stale").exists()
 
 

@@ -16,15 +16,10 @@ from tests.conftest import wait_for
 from tests.support.streaming_server import StreamingServer
 from tests.support.testtypes import starts
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.testtypes")]
 
 
 FINAL = ("paused", "completed", "failed", "needs_human", "awaiting_review", "stopped")
-
-
-@pytest.fixture(autouse=True)
-def test_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
 
 
 def run_bounded(task: Task, within: float) -> tuple[Task, float]:

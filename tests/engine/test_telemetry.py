@@ -20,12 +20,7 @@ from orchestrator.engine.worker import drive_inline
 from orchestrator.models import Task, TaskEvent, WalEntry
 from tests.conftest import ROOT, wait_for
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def test_types(settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.testtypes")]
 
 
 @pytest.fixture
@@ -109,15 +104,16 @@ def test_a_recovery_span_carries_its_decision_and_the_resumed_run_its_attempt(ex
 def test_a_recovery_with_effects_in_doubt_records_one_event_per_entry(exporter, settings):
     from orchestrator.engine import checkpoint, wal
     from orchestrator.tasktypes import get_type
+    from tests.support.helpers import write_intent
 
     settings.ORCH_STALE_AFTER_SECONDS = 0.1
     task = services.task_create(type="test.effects", params={"kind": "nonidempotent"})
     lease = claim(task.pk)
     task_type = get_type(task.type)
     checkpoint.ensure_plan(lease=lease, task_type=task_type, params=task_type.Params.model_validate(task.params))
-    entry = wal.write_intent(lease=lease, step_id="effect", call_index=0, tool_name="email.send",
-                             args={"to": "a@example.org", "subject": "s", "body": "b"},
-                             key=wal.idempotency_key(task.pk, "effect", 0), idempotent=False)
+    entry = write_intent(lease=lease, step_id="effect", call_index=0, tool_name="email.send",
+                         args={"to": "a@example.org", "subject": "s", "body": "b"},
+                         key=wal.idempotency_key(task.pk, "effect", 0), idempotent=False)
     Task.objects.filter(pk=task.pk).update(heartbeat_at=F("heartbeat_at") - timedelta(seconds=5))
     exporter.clear()
     assert recovery.sweep() == [task.pk]

@@ -1,6 +1,4 @@
 """The durable protocol with real django-q2 worker processes and real crashes."""
-import subprocess
-
 import pytest
 from django.db.models import F
 from django.utils import timezone
@@ -9,6 +7,7 @@ from orchestrator.engine import processes, recovery, services
 from orchestrator.models import Snapshot, Step, Task, TaskEvent, WalEntry
 from demo.models import DemoDestination, DemoSource
 from tests.conftest import wait_for
+from tests.support.helpers import stage_processes
 
 pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 
@@ -92,11 +91,6 @@ def test_an_exception_between_effect_and_done_leaves_the_entry_pending(start_wor
     received = sorted(m["To"] for m in smtp_server.messages)
     assert received == recipients  # one each, send-002 not retried blindly
     assert entries["send-002"].idempotency_key in {m["X-Idempotency-Key"] for m in smtp_server.messages}
-
-
-def stage_processes(task_id: int) -> list[str]:
-    out = subprocess.run(["pgrep", "-af", f"task-{task_id}/stage-"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "pgrep" not in line]
 
 
 def test_a_worker_whose_lease_was_taken_over_stops_and_commits_nothing(start_workers):

@@ -8,7 +8,6 @@ import threading
 import pytest
 
 from orchestrator.engine import services
-from orchestrator.llm.standin import StandinServer
 from orchestrator.models import AgentMessage, Task, WalEntry
 from review.models import ReviewItem
 from review.services import review_decide
@@ -107,15 +106,10 @@ def test_a_keyed_call_in_doubt_when_the_task_is_terminated_is_settled_by_its_pro
     assert posts(tracker, "/tickets") == 1
 
 
-@pytest.fixture
-def standin():
-    with StandinServer(token_seconds=0.0005) as server:
-        yield server
-
-
-def test_an_agent_calls_the_read_tool_at_once_with_no_reviewer_and_no_wal_entry(tracker, start_workers, standin):
+def test_an_agent_calls_the_read_tool_at_once_with_no_reviewer_and_no_wal_entry(tracker, start_workers,
+                                                                                 standin_server):
     tracker.tickets[1] = {"id": 1, "title": "printer jam", "body": "tray 2", "key": "", "comments": []}
-    start_workers(1, **env(tracker, LLM_BASE_URL=standin.base_url, LLM_API_KEY="standin",
+    start_workers(1, **env(tracker, LLM_BASE_URL=standin_server.base_url, LLM_API_KEY="standin",
                           LLM_MODEL="standin-planner"))
     task = services.task_create(type="agent.plan_execute",
                                 params={"goal": "Search the tickets: printer", "tools": ["tickets_search"]})

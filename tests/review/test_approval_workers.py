@@ -9,7 +9,6 @@ from html import unescape
 import pytest
 
 from orchestrator.engine import approvals, services
-from orchestrator.llm.standin import StandinServer
 from orchestrator.models import AgentMessage, AuditEntry, Task, WalEntry
 from review.models import ReviewItem
 from tests.conftest import wait_for
@@ -20,12 +19,6 @@ pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 
 GOAL = "Parse the 2 contracts and email a summary to ops@example.org"
 TOOLS = ["contracts_list", "contracts_read", "email_send"]
-
-
-@pytest.fixture
-def model():
-    with StandinServer(token_seconds=0.0005) as server:
-        yield server
 
 
 def worker_env(model, smtp_server) -> dict:
@@ -58,8 +51,9 @@ def form_values(page: str, form_testid: str) -> dict:
     return values
 
 
-def test_an_edit_made_in_the_generated_form_is_what_the_worker_sends(model, smtp_server, start_workers, reviewer):
-    start_workers(1, **worker_env(model, smtp_server))
+def test_an_edit_made_in_the_generated_form_is_what_the_worker_sends(standin_server, smtp_server, start_workers,
+                                                                     reviewer):
+    start_workers(1, **worker_env(standin_server, smtp_server))
     task = services.task_create(type="agent.plan_execute", params={"goal": GOAL, "tools": TOOLS})
     item = open_approval(task)
     proposed = item.proposal["arguments"]
@@ -89,8 +83,8 @@ def test_an_edit_made_in_the_generated_form_is_what_the_worker_sends(model, smtp
 
 
 def test_an_approval_nobody_decides_expires_at_its_deadline_through_the_sweeper_and_the_agent_goes_on(
-        model, smtp_server, start_workers, start_sweeper):
-    start_workers(1, **worker_env(model, smtp_server))
+        standin_server, smtp_server, start_workers, start_sweeper):
+    start_workers(1, **worker_env(standin_server, smtp_server))
     start_sweeper(interval=0.3)
     task = services.task_create(type="agent.plan_execute", params={"goal": GOAL, "tools": TOOLS,
                                                                    "approval_timeout_seconds": 3})

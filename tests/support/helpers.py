@@ -1,5 +1,7 @@
 """Helpers the tests share (instead of a copy per file)."""
-from orchestrator.models import Task
+import subprocess
+
+from orchestrator.models import Task, TaskEvent, WalEntry
 from tests.conftest import wait_for
 
 SETTLED = ("completed", "awaiting_review", "failed", "needs_human")
@@ -53,3 +55,41 @@ def preempt_during(monkeypatch, type_name: str):
         return sent
 
     return arm
+
+
+def one_effect(tool: str, args: dict, **params) -> Task:
+    """A test.one_effect task (tests/support/probe_types.py: three steps, the middle one performs
+    `tool` with `args`), run inline to its end."""
+    from orchestrator.engine import services
+    from orchestrator.engine.worker import drive_inline
+
+    task = services.task_create(type="test.one_effect", params={"tool": tool, "args": args, **params})
+    drive_inline(task.pk)
+    return Task.objects.get(pk=task.pk)
+
+
+def done_order(task_id: int) -> list[str]:
+    """The task's steps in the order they were done (their step_done events)."""
+    return list(TaskEvent.objects.filter(task_id=task_id, kind="step_done").order_by("seq")
+                .values_list("payload__step", flat=True))
+
+
+def stage_processes(task_id: int) -> list[str]:
+    """demo.pipeline's living stage subprocesses of the task (`pgrep -af task-N/stage-`)."""
+    out = subprocess.run(["pgrep", "-af", f"task-{task_id}/stage-"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def write_intent(*, lease, step_id: str, call_index: int, tool_name: str, args: dict, key: str,
+                 idempotent: bool) -> WalEntry:
+    """Commit a WAL intent on its own, fenced on the lease (LeaseLost if it is stale), as a
+    worker does before an effect outside this database: the state a worker killed between its
+    intent and its effect leaves behind."""
+    from django.db import transaction
+
+    from orchestrator.engine.lease import bump_fenced
+    from orchestrator.engine.wal import new_entry
+
+    with transaction.atomic():
+        bump_fenced(lease)  # a worker whose lease is stale writes no intent
+        return new_entry(lease, step_id, call_index, tool_name, args, key, idempotent)
