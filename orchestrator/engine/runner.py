@@ -2,7 +2,7 @@
 
 Independent steps run concurrently (up to the task's `max_subtasks`) in threads; only
 this loop commits step checkpoints, so commits are serialised and fenced on the lease.
-A supervisor thread heartbeats the lease and polls operator requests every ~100 ms.
+A supervisor thread heartbeats the lease and polls operator requests every ORCH_CONTROL_POLL_SECONDS (50 ms).
 
 The loop ends when every step is done, a step fails for good, an effect is ambiguous
 (review), an operator asked to pause/stop/terminate, a limit ran out (pause), the lease
@@ -89,7 +89,7 @@ def close_thread_connections(pool: ThreadPoolExecutor) -> None:
 
 class Supervisor(threading.Thread):
     """Heartbeats the lease, relays operator requests to the runner (polled every
-    ~100 ms, so a Stop reaches a step without waiting for it to end), acknowledges them,
+    ORCH_CONTROL_POLL_SECONDS, so a Stop reaches a step without waiting for it to end), acknowledges them,
     and while a request winds down publishes what is still running."""
 
     def __init__(self, runner: "Runner"):
