@@ -24,7 +24,9 @@ class OrderedORM(ORM):
         at once: then the next)."""
         rows = self.get_connection()
         for _ in range(5):
-            smallest = rows.aggregate(smallest=Min("id"))["smallest"] or 1
+            smallest = rows.aggregate(smallest=Min("id"))["smallest"]
+            if smallest is None:  # an empty table (`or 1` took id 0 for empty too: then every
+                smallest = 1      # message put first while row 0 lived went to the back)
             try:
                 with transaction.atomic(using=rows.db):
                     return rows.create(id=smallest - 1, key=self.list_key or Conf.CLUSTER_NAME, payload=package,

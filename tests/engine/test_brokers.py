@@ -66,3 +66,21 @@ def test_a_message_put_first_goes_before_every_waiting_one(monkeypatch):
     assert scheduler.send_first(4242)
     row = OrmQ.objects.order_by("id").first()
     assert row.id < second and SignedPackage.loads(row.payload)["args"] == (4242,)
+
+
+def test_a_message_is_put_first_when_the_smallest_id_is_zero():
+    """Row 0 is what the first message put first gets in a table whose ids start at 1; a dead
+    host that took it keeps it locked for hours. Every later message put first went to the back
+    meanwhile (the smallest id, 0, was read as "no rows": ids 0 tried five times, then a plain
+    enqueue): bench/hosts.py saw a dead host's prefetched tasks re-sent "first" every 5 s, each
+    copy behind 400 to 1,000 rows, for minutes."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    broker = OrderedORM(list_key=KEY)
+    OrmQ.objects.create(id=0, key=KEY, payload="taken by a dead host", lock=timezone.now() + timedelta(hours=2))
+    waiting = OrmQ.objects.create(id=5, key=KEY, payload="m-5", lock=timezone.now()).pk
+    first = broker.enqueue_first("stranded")
+    assert first == -1 and first < waiting
+    assert broker.dequeue()[0][1] == "stranded"

@@ -49,10 +49,9 @@ def messages_taken(broker: str, redis_url: str | None, expected: int) -> bool:
     return OrmQ.objects.filter(lock__gt=timezone.now()).count() >= expected
 
 
-@pytest.mark.parametrize("broker", ["orm", "redis"])
-def test_tasks_prefetched_by_a_killed_cluster_run_again_within_the_requeue_window(
-        broker, use_broker, start_workers, start_sweeper, settings):
-    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+def a_cluster_with_four_prefetched(broker: str, use_broker, start_workers):
+    """A cluster of 2 workers, both busy (two long blockers), that has taken four more tasks'
+    messages from the broker and not started them: (env, cluster, blockers, prefetched)."""
     # The clusters' own schedule must not re-send anything: only the sweeper under test does.
     env = {"ORCH_EXTRA_TASK_TYPES": "tests.support.testtypes", "ORCH_REQUEUE_AFTER_SECONDS": 600}
     redis_url = use_broker(broker, env)
@@ -69,6 +68,14 @@ def test_tasks_prefetched_by_a_killed_cluster_run_again_within_the_requeue_windo
         # polls); on a loaded machine it sometimes does not take all four in time (seen once on
         # PostgreSQL in CI). Without it there is nothing lost to recover: say so, do not fail.
         pytest.skip("the cluster did not prefetch the four messages within 60 s: nothing to test this run")
+    return env, doomed, blockers, prefetched
+
+
+@pytest.mark.parametrize("broker", ["orm", "redis"])
+def test_tasks_prefetched_by_a_killed_cluster_run_again_within_the_requeue_window(
+        broker, use_broker, start_workers, start_sweeper, settings):
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+    env, doomed, blockers, prefetched = a_cluster_with_four_prefetched(broker, use_broker, start_workers)
     assert Task.objects.filter(pk__in=prefetched, lease_epoch=0).count() == 4  # taken, not started
     # A backlog of newer tasks waiting for a worker (their messages are somewhere in the
     # broker, or lost too: the sweeper cannot tell).
@@ -108,18 +115,7 @@ def test_tasks_prefetched_by_a_killed_cluster_go_before_a_real_broker_backlog(
     from orchestrator.engine.stranded import SEND_LAG
 
     settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
-    env = {"ORCH_EXTRA_TASK_TYPES": "tests.support.testtypes", "ORCH_REQUEUE_AFTER_SECONDS": 600}
-    redis_url = use_broker(broker, env)
-    doomed = start_workers(2, **env)
-    blockers = [services.task_create(type="test.interruptible", params=BLOCKER).pk for _ in range(2)]
-    wait_for(lambda: Task.objects.filter(pk__in=blockers, status="running").exclude(lease_owner="").count() == 2,
-             timeout=60, message="both worker slots busy")
-    prefetched = [services.task_create(type="demo.pipeline", params=SHORT).pk for _ in range(4)]
-    try:
-        wait_for(lambda: messages_taken(broker, redis_url, expected=6), timeout=60,
-                 message="the cluster to take the four messages from the broker")
-    except AssertionError:
-        pytest.skip("the cluster did not prefetch the four messages within 60 s: nothing to test this run")
+    env, doomed, blockers, prefetched = a_cluster_with_four_prefetched(broker, use_broker, start_workers)
     # The backlog's messages are sent after theirs (a hand-over is recorded just before its send).
     last_handover = max(Task.objects.filter(pk__in=prefetched).values_list("enqueued_at", flat=True))
     wait_for(lambda: timezone.now() - last_handover > SEND_LAG, timeout=5, message="the send lag to pass")
