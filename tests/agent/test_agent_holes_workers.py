@@ -6,13 +6,13 @@ from orchestrator.engine import services
 from orchestrator.models import AgentMessage, Task, TaskEvent
 from tests.conftest import wait_for
 
-from .test_agent_workers import LONG_GOAL, model, model_env  # noqa: F401 (fixture)
+from .test_agent_workers import LONG_GOAL, model_env
 
 pytestmark = [pytest.mark.workers, pytest.mark.django_db(transaction=True)]
 
 
-def test_the_tokens_of_a_stream_cut_by_stop_are_counted(model, start_workers):
-    start_workers(1, **model_env(model, "standin-planner+slow=0.1+no-usage"))
+def test_the_tokens_of_a_stream_cut_by_stop_are_counted(standin_server, start_workers):
+    start_workers(1, **model_env(standin_server, "standin-planner+slow=0.1+no-usage"))
     task = services.task_create(type="agent.plan_execute", params={"goal": LONG_GOAL, "tools": []})
     wait_for(lambda: TaskEvent.objects.filter(task=task, kind="progress", payload__message="agent.stream").exists(),
              timeout=60, message="the answer streaming")
