@@ -29,7 +29,7 @@ from ..engine.wal import EffectFailed
 from ..engine.results import result_of
 from ..models import Step, StepStatus
 from ..primitives.redaction import redact
-from ..tools.base import ToolError
+from ..tools.base import OutcomeUnknown, ToolError
 from ..tools.dbread import read_only_query
 from . import memory, tooldef
 from .tooldef import IDEMPOTENT, KEYED, NON_IDEMPOTENT, READ_ONLY, AgentTool, ToolCall, builtin_read
@@ -277,6 +277,11 @@ class ToolCallError(Exception):
     """The call could not do what it was asked; the message goes back to the model."""
 
 
+class ReplayWithKey(RuntimeError):
+    """An idempotent or keyed call's outcome is unknown: its step fails, to run again and replay
+    the call with its key (the runner's retries)."""
+
+
 def call(ctx, name: str, raw_arguments: str, allowed: list[str]) -> tuple[bool, Any]:
     """Run the model's call `name(raw_arguments)`: (ok, result). A call the model got wrong
     (an unknown or disallowed tool, arguments that are not JSON or fail the schema, a
@@ -297,6 +302,12 @@ def call(ctx, name: str, raw_arguments: str, allowed: list[str]) -> tuple[bool, 
     except (ToolCallError, ToolError) as exc:  # refused before anything was performed
         return False, redact(f"error: {exc}")
     except EffectFailed as exc:
+        if isinstance(exc.error, OutcomeUnknown) and tool.effect in (IDEMPOTENT, KEYED):
+            # In doubt, and safe to repeat (a non-idempotent one is reviewed instead, never
+            # here): the WAL kept the key. The step fails and runs again, replaying the call
+            # with the same key, rather than telling the model "it failed": it could ask again,
+            # with a new key, and a call that did happen would be done twice.
+            raise ReplayWithKey(f"{name}: {exc}; the step runs again and replays it with the same key") from exc
         # The tool reported a failure (an error status, a refusal, a non-zero exit): the model
         # reads it and decides, as it would a refusal; the task does not stop for it.
         return False, redact(f"error: {exc}")

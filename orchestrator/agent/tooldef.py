@@ -35,7 +35,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
 from .. import extensions
-from ..engine.wal import EffectFailed, key_parts
+from ..engine.wal import key_parts
 from ..models import EffectClass
 from ..primitives.cancellation import CancellationToken, Cancelled
 from ..primitives.faults import fault_point_for_key
@@ -115,11 +115,6 @@ class AgentTool:
         return arguments
 
 
-class ReplayWithKey(RuntimeError):
-    """An idempotent or keyed call's outcome is unknown: its step fails, to run again and replay
-    the call with its key (the runner's retries)."""
-
-
 @dataclass(frozen=True)
 class ToolCall:
     """What a tool's body (and its probe) knows of the call besides its arguments."""
@@ -166,16 +161,7 @@ class ToolDefinition:
         """The call from a step (an agent's, or a task type's through sdk.call_tool): a read at
         once, in this step; anything else through the WAL with the call's key."""
         if self.effect != READ_ONLY:
-            try:
-                return ctx.effect(self.name, args.model_dump(mode="json"))
-            except EffectFailed as exc:
-                if isinstance(exc.error, OutcomeUnknown):
-                    # Idempotent or keyed (a non-idempotent one is reviewed instead): the WAL kept the
-                    # key for a replay. The step fails and runs again, replaying with the same key,
-                    # rather than telling a model "it failed" — it could ask again, with a new key.
-                    raise ReplayWithKey(f"{self.name}: {exc}; the step runs again and replays it with the same "
-                                        f"key") from exc
-                raise
+            return ctx.effect(self.name, args.model_dump(mode="json"))
         parent = ctx.token if ctx is not None else CancellationToken(f"read:{self.name}")
         return _jsonable(run_bounded(self, args, parent, key=None, task_id=getattr(ctx, "task_id", None),
                                      step_id=getattr(ctx, "step_id", None)))

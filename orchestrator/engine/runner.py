@@ -869,6 +869,11 @@ class Runner:
                                              extra={"task_id": task.pk, "lease_epoch": self.lease.epoch})
         return [*reported.values(), *(entry for entry in opened if entry.pk not in reported)]
 
+    def note_effects_left_in_doubt(self, task: Task, cause: str) -> str:
+        """For an ending with nothing ambiguous on record (completed, failed): the WAL's rows
+        still pending go to their probe or a reviewer; the status reason says how many."""
+        return recovery.in_doubt_note(self.review_unknown_effects(task, cause))
+
     def decide(self, task: Task) -> str:
         """Write the run's outcome; runs in the finishing transaction with the row locked."""
         released = {"lease_owner": "", "control": "", "activities": []}
@@ -887,7 +892,10 @@ class Runner:
             states.transition(task, ended, reason=why, **released)
             return ended
         if self.all_done():
-            states.transition(task, S.COMPLETED, reason="all steps done", **released)
+            # Whatever ends a task reviews what it left in doubt: an idempotent effect a tool
+            # step gave up replaying (or a skipped step's) would otherwise stay pending for good.
+            why = "all steps done"
+            states.transition(task, S.COMPLETED, reason=why + self.note_effects_left_in_doubt(task, why), **released)
             return S.COMPLETED
         if self.ambiguous:
             keys = ", ".join(a.entry.idempotency_key for a in self.ambiguous)
@@ -900,7 +908,8 @@ class Runner:
             states.transition(task, S.NEEDS_HUMAN, reason=self.needs_human[:500], error=self.needs_human, **released)
             return S.NEEDS_HUMAN
         if self.failure:
-            states.transition(task, S.FAILED, reason=self.failure[:500], error=self.failure, **released)
+            reason = self.failure[:500] + self.note_effects_left_in_doubt(task, "failed")
+            states.transition(task, S.FAILED, reason=reason, error=self.failure, **released)
             return S.FAILED
         if self.control == "pause":
             states.transition(task, S.PAUSED, reason="paused by an operator", **released)

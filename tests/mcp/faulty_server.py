@@ -14,11 +14,20 @@ import sys
 import threading
 
 JOURNAL = sys.argv[1]
+META_KEY = "io.orchestrator/idempotency-key"  # orchestrator/tools/mcp.py IDEMPOTENCY_META_KEY (not imported: a child)
 
 
 def note(**entry) -> None:
     with open(JOURNAL, "a") as journal:
         journal.write(json.dumps(entry) + "\n")
+
+
+def read_journal() -> list[dict]:
+    try:
+        with open(JOURNAL) as journal:
+            return [json.loads(line) for line in journal if line.strip()]
+    except FileNotFoundError:
+        return []
 
 
 def record_the_wire() -> None:
@@ -123,6 +132,17 @@ def main() -> None:
         """Dies once the request has arrived, answering nothing."""
         called("crash", ctx, entry=entry)
         os._exit(3)
+
+    @server.tool(annotations=ToolAnnotations(idempotentHint=True))
+    def flaky_put(entry: str, ctx: Context) -> str:
+        """Set an entry (idempotent); the first time an entry arrives the server sets it, then dies
+        answering nothing: the replays with the same key find it set."""
+        key = dict(ctx.request_context.meta or {}).get(META_KEY)
+        first = not any(e.get("called") == "flaky_put" and e["meta"].get(META_KEY) == key for e in read_journal())
+        called("flaky_put", ctx, entry=entry)
+        if first:
+            os._exit(3)
+        return f"put {entry} (already set)"
 
     @server.tool(annotations=read_only)
     def refuse(reason: str, ctx: Context) -> str:

@@ -283,17 +283,43 @@ def test_a_server_that_drops_the_connection_after_the_request_arrived_sends_the_
     assert "confirmed_by_reviewer" in answers(task)["call_1_1"]
 
 
-def test_an_idempotent_call_whose_connection_dropped_is_an_error_the_model_reads(declare, journal, scripted, boss):
-    declare(faulty={**faulty(journal), "tool_effects": {"crash": "idempotent"}})
-    scripted([("faulty__crash", {"entry": "x"}), ("faulty__echo", {"text": "still there?"})])
-    task = agent(boss, tools=["faulty__crash", "faulty__echo"])
-    assert drive_inline(task.pk) == "completed"
+def test_an_idempotent_call_whose_connection_dropped_is_replayed_with_its_key_and_the_model_reads_the_answer(
+        declare, journal, scripted, boss):
+    declare(faulty=faulty(journal))
+    scripted([("faulty__flaky_put", {"entry": "x"}), ("faulty__echo", {"text": "still there?"})])
+    task = agent(boss, tools=["faulty__flaky_put", "faulty__echo"])
+    assert drive_inline(task.pk) == "completed", task.status_reason
     got = answers(task)
-    assert got["call_1_1"].startswith("error: MCP faulty__crash: the connection closed")
-    assert got["call_2_1"] == "echo: still there?"  # a new session, with a new server process
-    # In doubt all the same (the engine's rule for an idempotent effect cut in flight): replayable with its key.
+    # Not "it failed" (the model could ask again with a new key): the step ran again and replayed
+    # the call with the same key, to a new server process, which answered.
+    assert got["call_1_1"] == "put x (already set)"
+    assert got["call_2_1"] == "echo: still there?"
+    first, replay = journal.calls("flaky_put")
     entry = WalEntry.objects.get(task=task)
-    assert entry.status == "pending" and entry.idempotent and entry.error.startswith("outcome unknown")
+    assert first["meta"][KEY] == replay["meta"][KEY] == entry.idempotency_key
+    assert entry.status == "done" and entry.idempotent
+    assert not ReviewItem.objects.filter(task=task).exists()
+
+
+def test_an_idempotent_call_that_drops_on_every_replay_waits_for_an_operator_with_its_key_kept(
+        declare, journal, scripted, boss, operator, reviewer):
+    declare(faulty={**faulty(journal), "tool_effects": {"crash": "idempotent"}})
+    scripted([("faulty__crash", {"entry": "x"})])
+    task = agent(boss, tools=["faulty__crash"])
+    assert drive_inline(task.pk) == "needs_human"
+    entry = WalEntry.objects.get(task=task)
+    calls = journal.calls("crash")
+    # Replayed with the same key until the step's retries ran out; the model was never told "it
+    # failed" (it could ask again with a new key). A Resume replays it with that key again.
+    assert len(calls) >= 2 and {c["meta"][KEY] for c in calls} == {entry.idempotency_key}
+    assert entry.status == "pending" and not AgentMessage.objects.filter(task=task, role="tool").exists()
+    # The operator stops it instead: nothing will replay it now, so a reviewer records what happened.
+    services.task_stop(task_id=task.pk, actor=operator, reason="the server is down for the day")
+    [item] = ReviewItem.objects.filter(task=task, status="open")
+    assert item.kind == "effect" and item.wal_entry_id == entry.pk
+    review_decide(item_id=item.pk, decision="happened", note="the server's journal has it", actor=reviewer)
+    assert WalEntry.objects.get(task=task).status == "done"
+    assert len(journal.calls("crash")) == len(calls)  # nothing was sent again
 
 
 def test_a_malformed_result_is_an_error_the_model_reads_and_nothing_crashes(declare, journal, scripted, boss,

@@ -86,6 +86,7 @@ class EffectsParams(BaseModel):
     url: str = ""
     to: str = "someone@example.org"
     timeout: float = 30
+    on_failure: str = ""  # the effect step's own failure policy
 
 
 @register
@@ -96,8 +97,9 @@ class Effects(TaskType):
     Params = EffectsParams
 
     def plan(self, params):
-        return [StepSpec("prepare"), StepSpec("effect", depends_on=("prepare",), reads=("kind",)),
-                StepSpec("finish", depends_on=("effect",))]
+        return [StepSpec("prepare"), StepSpec("effect", depends_on=("prepare",), reads=("kind",),
+                                              on_failure=params.on_failure),
+                StepSpec("finish", depends_on=("effect",), runs_after_skipped=True)]
 
     def run_step(self, ctx, step_id):
         if step_id != "effect":
@@ -108,7 +110,7 @@ class Effects(TaskType):
                                             "rows": [[900_000 + ctx.task_id, "42.5000"]]})
         if kind == "keyed":
             return ctx.effect("http.request", {"method": "POST", "url": ctx.params.url, "json": {"amount": 42},
-                                               "idempotency_key": True})
+                                               "idempotency_key": True, "timeout": ctx.params.timeout})
         if kind == "post":  # non-idempotent: no Idempotency-Key
             return ctx.effect("http.request", {"method": "POST", "url": ctx.params.url, "json": {"amount": 42},
                                                "timeout": ctx.params.timeout})
