@@ -50,3 +50,10 @@ def test_the_readme_routes_to_every_docs_page_and_stays_short():
     assert [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.name not in linked] == []
     assert len(readme.encode()) <= README_LIMIT
     assert "make test" in readme and "make run" in readme
+
+
+def test_the_readme_says_how_to_bring_your_own_tools_mcp_servers_and_models():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Bring your own tools, MCP servers and models\n", 1)[1].split("\n## ", 1)[0]
+    for needed in ("ORCH_EXTENSIONS", "ORCH_MCP_SERVERS", "LLM_MODELS", "(docs/extending.md)"):
+        assert needed in section
