@@ -240,6 +240,9 @@ TABLE: tuple[Setting, ...] = (
             "login throttling: after this many wrong passwords for one username from one IP address, that pair is "
             "locked out for `ORCH_LOGIN_COOLOFF_MINUTES`"),
     Setting("ORCH_LOGIN_COOLOFF_MINUTES", float, 15.0, "how long a lock-out (`ORCH_LOGIN_FAILURE_LIMIT`) lasts"),
+    Setting("ORCH_METRICS_TOKEN", str, "",
+            "the bearer token Prometheus sends to `GET /metrics` (a secret, 32+ random characters); empty: the "
+            "endpoint answers 404", see="[Metrics](deployment.md#metrics)"),
     # --- logs
     Setting("ORCH_LOG_LEVEL", str, "INFO", "log level of the harness's loggers"),
     Setting("ORCH_LOG_FORMAT", str, "json", "`json` lines, or `text` for `key=value` lines instead of JSON"),

@@ -271,6 +271,10 @@ class TaskEvent(models.Model):
     class Meta:
         ordering = ["task", "seq"]
         constraints = [models.UniqueConstraint(fields=["task", "seq"], name="event_unique_seq")]
+        # The metrics endpoint's count of recent recoveries (orchestrator/metrics.py): a partial
+        # index, so the progress log's ordinary inserts never write to it.
+        indexes = [models.Index(fields=["created_at"], name="event_recovery_created",
+                                condition=models.Q(kind="recovery"))]
 
     def __str__(self):
         return f"task {self.task_id} #{self.seq} {self.kind}"

@@ -2,12 +2,13 @@ from django.contrib import admin
 from django.urls import include, path
 
 from .api import api
-from .web import revisions, tasks
+from .web import metrics, revisions, tasks
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("accounts/", include("django.contrib.auth.urls")),
     path("api/", api.urls),
+    path("metrics", metrics.metrics_view, name="metrics"),
     path("", tasks.task_list, name="task_list"),
     path("tasks/new/", tasks.task_new, name="task_new"),
     path("tasks/<int:task_id>/", tasks.task_detail, name="task_detail"),

@@ -92,6 +92,9 @@ REVIEW_DECISION = {"decision": "skip", "note": "roles matrix"}
 # Pages and endpoints that act on a paused task only (with snapshot v1 to roll back to).
 NEEDS_PAUSED = ("/edit/", "/rollback/", "/clone/")
 PAGE_ROUTES_NOT_IN_MATRIX = ("admin/", "accounts/", "api/")
+# Not a page for people: no role opens it, only ORCH_METRICS_TOKEN (tests/test_metrics.py checks
+# that a viewer's session or API token is refused).
+TOKEN_ROUTES = {"metrics"}
 
 
 def expected_api_statuses(identity: str, kind: str) -> set[int]:
@@ -264,7 +267,7 @@ def page_routes() -> set[str]:
             if isinstance(pattern, URLResolver):
                 if not route.startswith(PAGE_ROUTES_NOT_IN_MATRIX):
                     walk(pattern.url_patterns, route)
-            elif isinstance(pattern, URLPattern):
+            elif isinstance(pattern, URLPattern) and route not in TOKEN_ROUTES:
                 routes.add(route)
 
     walk(get_resolver().url_patterns, "")
