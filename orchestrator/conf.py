@@ -126,6 +126,10 @@ TABLE: tuple[Setting, ...] = (
             "a step running longer is cancelled through its token and its failure policy applies (an effect in "
             "flight becomes unknown → review); a task type (`step_timeout`) or a step (`StepSpec(timeout=…)`) may "
             "set its own"),
+    Setting("ORCH_STALL_FACTOR", float, 5.0,
+            "a running task whose current step has run this many times the p95 of its type's step durations (at "
+            "least 10 s, once the type has 5 finished steps) is marked *stalled* on the list, its page and the API "
+            "(`waiting_on.stalled`); 0: never"),
     Setting("ORCH_SLICE_SECONDS", float, 60.0, "a worker drives one task this long, then re-enqueues it (fairness)"),
     Setting("ORCH_MAX_RECOVERY_ATTEMPTS", int, 3, "recoveries per task before it `needs_human`"),
     Setting("ORCH_RECOVERY_TIMEOUT_SECONDS", float, 300.0,
@@ -325,6 +329,10 @@ class HarnessSettings:
     @property
     def stale_after_seconds(self) -> float:
         return settings.ORCH_STALE_AFTER_SECONDS
+
+    @property
+    def stall_factor(self) -> float:
+        return settings.ORCH_STALL_FACTOR
 
     @property
     def grace_seconds(self) -> float:

@@ -12,10 +12,11 @@ from ..engine import actions as task_actions, llm_ledger
 from ..engine.approvals import arguments_digest
 from ..models import Task
 from ..presenters.task_page import with_unreviewed_effects
+from ..presenters.waiting import with_waiting_on
 from ..presenters.waits import with_review_waits
 from ..primitives.redaction import redact
 from .schemas import (ApprovalOut, ApprovalVoteOut, AuditOut, ReviewOut, ReviewWaitOut, StepOut, TaskOut,
-                      TaskSummaryOut, TaskTypeOut, WorkerOut)
+                      TaskSummaryOut, TaskTypeOut, WaitingOnOut, WorkerOut)
 from review import approvals as review_approvals
 from review.models import ReviewKind
 
@@ -32,11 +33,25 @@ def task_type_out(task_type) -> TaskTypeOut:
                        params_schema=task_type.params_schema())
 
 
+def waiting_on_out(task: Task) -> WaitingOnOut | None:
+    """The task's `waiting_on` (presenters/waiting.py; set by with_waiting_on), as the API shows it."""
+    found = getattr(task, "waiting_on", None)
+    if found is None:
+        return None
+    return WaitingOnOut(kind=found.kind, text=found.text, since=found.since, link=found.link,
+                        link_text=found.link_text, deadline=found.deadline, stalled=found.stalled)
+
+
 def task_summary_out(t: Task) -> TaskSummaryOut:
     return TaskSummaryOut(
         id=t.pk, type=t.type, title=t.title, status=t.status, status_reason=t.status_reason,
         steps_done=t.steps_done, steps_total=t.steps_total, progress_percent=t.progress_percent,
-        created_at=t.created_at, updated_at=t.updated_at)
+        created_at=t.created_at, updated_at=t.updated_at, waiting_on=waiting_on_out(t))
+
+
+def task_summaries_out(tasks: list[Task]) -> list[TaskSummaryOut]:
+    """A page of the task list, each with what it waits on (a fixed number of queries for the page)."""
+    return [task_summary_out(t) for t in with_waiting_on(tasks)]
 
 
 def task_out(task: Task, user=None) -> dict:
@@ -47,11 +62,12 @@ def task_out(task: Task, user=None) -> dict:
                      result_stored_apart=s.result_stored_apart, result_bytes=s.result_bytes)
              for s in task.steps.all()]
     running = task.status in ("running", "pausing", "stopping") and task.lease_owner
-    with_review_waits(with_unreviewed_effects([task]))
+    with_waiting_on(with_review_waits(with_unreviewed_effects([task])))
     return TaskOut(
         id=task.pk, type=task.type, title=task.title, status=task.status, status_reason=task.status_reason,
         steps_done=task.steps_done, steps_total=task.steps_total, progress_percent=task.progress_percent,
-        created_at=task.created_at, updated_at=task.updated_at, params=task.params, limits=task.limits,
+        created_at=task.created_at, updated_at=task.updated_at, waiting_on=waiting_on_out(task),
+        params=task.params, limits=task.limits,
         counters={"steps_done": task.steps_done, "steps_total": task.steps_total, "tokens_used": task.tokens_used,
                   "active_seconds": round(task.active_seconds, 3), "recovery_attempts": task.recovery_attempts,
                   # The ledger of model calls summed (every attempt; the export has the rows).

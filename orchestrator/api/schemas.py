@@ -73,6 +73,21 @@ class StepResultOut(Schema):
     result: Any
 
 
+class WaitingOnOut(Schema):
+    kind: str = Field(..., description="approval, review (a side effect in doubt), event, timer, tool (a tool, a "
+                                       "subprocess, a request the running step makes), llm (a model stream), step, "
+                                       "lease (running), control (pausing or stopping), recovery, queue, budget (a "
+                                       "limit paused it), paused (an operator), needs_human")
+    text: str = Field(..., description="what the task waits on, for people")
+    since: datetime | None = Field(None, description="since when")
+    link: str = Field("", description="the page of the item waited on (an approval, a review), or empty")
+    link_text: str = ""
+    deadline: datetime | None = Field(None, description="when the wait ends by itself (an approval's deadline, "
+                                                        "a timer), or null")
+    stalled: bool = Field(False, description="running with no step finished for ORCH_STALL_FACTOR × the p95 of its "
+                                             "type's step durations")
+
+
 class TaskSummaryOut(Schema):
     id: int
     type: str
@@ -84,6 +99,7 @@ class TaskSummaryOut(Schema):
     progress_percent: int
     created_at: datetime
     updated_at: datetime
+    waiting_on: WaitingOnOut | None = Field(None, description="what the task waits on now (null when finished)")
 
 
 class ActionOut(Schema):

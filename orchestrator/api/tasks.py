@@ -6,7 +6,7 @@ from ..engine import results, services
 from ..models import Step, TaskStatus
 from .auth import require
 from .common import BODY, FOUND, MAX_ID, PARAMS, client_ip, get_task, id_param, responses
-from .presenters import task_out, task_summary_out
+from .presenters import task_out, task_summaries_out
 from .errors import NotFound
 from .schemas import StepResultOut, TaskCreateIn, TaskOut, TaskPageOut
 
@@ -30,7 +30,7 @@ def list_tasks(request, status: str = Query("", description="comma-separated sta
     require(request, roles.VIEWER)
     rows, next_before = selectors.task_page(selectors.task_list(status=status, type=type, text=q), before=before,
                                             limit=max(1, min(limit, 500)))
-    return TaskPageOut(items=[task_summary_out(t) for t in rows], next_before=next_before)
+    return TaskPageOut(items=task_summaries_out(list(rows)), next_before=next_before)
 
 
 @router.get("/tasks/{task_id}", response=responses({200: TaskOut}, FOUND))

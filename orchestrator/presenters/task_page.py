@@ -23,6 +23,7 @@ from ..primitives.redaction import redact, redact_text
 from ..tasktypes import all_types
 from .snapshots import snapshot_history
 from .timeline import step_timeline
+from .waiting import with_waiting_on
 from .waits import with_review_waits
 
 STEP_ROWS_SHOWN = 2000
@@ -67,7 +68,7 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
     rows (`with_events=False`): each event brings its own row."""
     now = page_clock()
     redact_fields(task, "title", "error", "status_reason", "activities", "stack", "waiting_for")
-    with_review_waits(with_unreviewed_effects([task]), now)
+    with_waiting_on(with_review_waits(with_unreviewed_effects([task]), now), now)
     steps = [redact_fields(step, "title", "error")
              for step in with_running(task, list(task.steps.all()[:STEP_ROWS_SHOWN]))]
     wal = list(task.wal_entries.order_by("-id")[:WAL_ROWS_SHOWN])
@@ -195,14 +196,15 @@ def with_running(task: Task, steps: list) -> list:
 def with_type_titles(tasks: list[Task]) -> list[Task]:
     """The list page's rows: each task with its type's title (shown when it has none), what its
     model calls cost (the ledger's, one grouped query for the page), its count of unreviewed
-    effects, and how long its open approvals and reviews have waited."""
+    effects, how long its open approvals and reviews have waited, and what it waits on."""
     types = all_types()
     costs = llm_ledger.costs_of([task.pk for task in tasks if task.tokens_used])
     for task in tasks:
         redact_fields(task, "title")
         task.type_title = types[task.type].title if task.type in types else ""
         task.model_cost = format_cost(costs.get(task.pk))
-    return with_review_waits(with_unreviewed_effects(tasks), page_clock())
+    now = page_clock()
+    return with_waiting_on(with_review_waits(with_unreviewed_effects(tasks), now), now)
 
 
 def with_unreviewed_effects(tasks: list[Task]) -> list[Task]:
