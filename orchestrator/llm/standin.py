@@ -42,6 +42,8 @@ Fault modes, per request, as suffixes of the model name (`standin-planner+slow+4
                (characters / 4, as the usage it reports), what a server with an N-token window says
   usage-scale=F  the usage it reports (and bills) counts F times the prompt tokens: a server whose
                tokenizer counts differently from characters / 4
+  cached=N     N of the prompt tokens (at most all of them) were read from the server's prompt
+               cache: reported as `prompt_tokens_details.cached_tokens` and billed as cached
   FAULT@N      only the Nth time this same request (same model, messages and tools) arrives,
                e.g. `+429@1`: the first attempt is refused, its retry is answered.
 
@@ -84,7 +86,7 @@ ARGUMENT_FRAGMENT_CHARACTERS = 8  # how tool-call arguments are split over chunk
 CONTRACT_READS_PER_TURN = 5
 
 FAULTS = ("slow", "cut", "no-usage", "429", "500", "bad-json", "unknown-tool", "legacy", "no-stream-options",
-          "no-tools", "reasoning", "context_window", "usage-scale")
+          "no-tools", "reasoning", "context_window", "usage-scale", "cached")
 
 
 @dataclass(frozen=True)
@@ -614,6 +616,16 @@ def _estimate_prompt_tokens(body: dict) -> int:
     return round(tokens * float(scale.value)) if scale is not None and scale.value else tokens
 
 
+def _cached_of(body: dict, cached: int) -> int:
+    """The prompt tokens read from the cache (the cached=N fault): N, at most the whole prompt."""
+    return min(max(cached, 0), _estimate_prompt_tokens(body))
+
+
+def _cached_details(body: dict, cached: int) -> dict:
+    """The usage's `prompt_tokens_details` when some of the prompt was cached (as OpenAI sends it)."""
+    return {"prompt_tokens_details": {"cached_tokens": _cached_of(body, cached)}} if cached else {}
+
+
 def _conversation_error(messages: list[dict]) -> str | None:
     """What OpenAI answers 400 to: a tool call left without its `tool` message, or a tool
     message answering no call."""
@@ -649,6 +661,10 @@ class SeenRequest:
     # not a 429 nor a request refused before), and each completion token it sent.
     billed_prompt_tokens: int = 0
     billed_completion_tokens: int = 0
+    billed_cached_tokens: int = 0  # of the prompt tokens, those read from its cache (the cached=N fault)
+    # Its handler is done with it: nothing more will be billed (a stream the client left may
+    # still bill the token in flight until its next write fails).
+    finished: bool = False
 
 
 class _Aborted(Exception):
@@ -714,6 +730,8 @@ class StandinHandler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError, _Aborted):
             self.close_connection = True
             logger.debug("standin stream abandoned", extra={"standin_model": record.model})
+        finally:
+            record.finished = True
 
     def _faults_of(self, model: str) -> dict | int:
         """The request's fault modes, or the status of the error it was answered (a model name
@@ -803,14 +821,15 @@ class StandinHandler(BaseHTTPRequestHandler):
         if dialect.reasoning_field:
             plan.reasoning = _reasoning_text(plan)
         include_usage = "no-usage" not in active and dialect.usage != "never"
+        cached = int(float(active["cached"].value or 0)) if "cached" in active else 0
         if body.get("stream"):
             wants_usage = include_usage and (dialect.usage == "finish"
                                              or bool((body.get("stream_options") or {}).get("include_usage")))
             self._stream(body, plan, call_ids, response_id, cap=cap, pace=pace, cut="cut" in active,
-                         include_usage=wants_usage, dialect=dialect)
+                         include_usage=wants_usage, dialect=dialect, cached=cached)
         else:
             self._answer(body, plan, call_ids, response_id, cap=cap, cut="cut" in active, include_usage=include_usage,
-                         dialect=dialect)
+                         dialect=dialect, cached=cached)
         return 200
 
     def _pieces(self, plan: Plan, call_ids: list[str], cap) -> tuple[list[tuple[str, Any]], str]:
@@ -828,7 +847,8 @@ class StandinHandler(BaseHTTPRequestHandler):
                 pieces, finish = pieces[:tokens[cap]], "length"
         return pieces, finish
 
-    def _stream(self, body, plan, call_ids, response_id, *, cap, pace, cut, include_usage, dialect=OPENAI):
+    def _stream(self, body, plan, call_ids, response_id, *, cap, pace, cut, include_usage, dialect=OPENAI,
+                cached=0):
         pieces, finish = self._pieces(plan, call_ids, cap)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -848,9 +868,10 @@ class StandinHandler(BaseHTTPRequestHandler):
             completion_tokens = sum(1 for kind, _ in pieces if kind != "call")
             prompt_tokens = _estimate_prompt_tokens(body)
             return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens}
+                    "total_tokens": prompt_tokens + completion_tokens, **_cached_details(body, cached)}
 
         self.record.billed_prompt_tokens = _estimate_prompt_tokens(body)
+        self.record.billed_cached_tokens = _cached_of(body, cached)
         self._event(chunk({"role": "assistant", "content": dialect.first_content}))
         cut_after = max(1, len(pieces) // 2) if cut else None
         emitted = 0
@@ -909,9 +930,10 @@ class StandinHandler(BaseHTTPRequestHandler):
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()  # chunk by chunk: the client sees each token as it is made
 
-    def _answer(self, body, plan, call_ids, response_id, *, cap, cut, include_usage, dialect=OPENAI):
+    def _answer(self, body, plan, call_ids, response_id, *, cap, cut, include_usage, dialect=OPENAI, cached=0):
         pieces, finish = self._pieces(plan, call_ids, cap)
         self.record.billed_prompt_tokens = _estimate_prompt_tokens(body)
+        self.record.billed_cached_tokens = _cached_of(body, cached)
         self.record.billed_completion_tokens = sum(1 for kind, _ in pieces if kind != "call")
         content = "".join(p for kind, p in pieces if kind == "content")
         reasoning = "".join(p for kind, p in pieces if kind == "reasoning")
@@ -935,7 +957,7 @@ class StandinHandler(BaseHTTPRequestHandler):
             completion_tokens = sum(1 for kind, _ in pieces if kind != "call")
             prompt_tokens = _estimate_prompt_tokens(body)
             payload["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                "total_tokens": prompt_tokens + completion_tokens}
+                                "total_tokens": prompt_tokens + completion_tokens, **_cached_details(body, cached)}
         data = json.dumps(payload, ensure_ascii=False).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -1189,9 +1211,11 @@ class StandinServer:
 
     @property
     def billing(self) -> list[dict]:
-        """What the stand-in billed, request by request: {model, status, prompt_tokens, completion_tokens}."""
+        """What the stand-in billed, request by request: {model, status, prompt_tokens, completion_tokens,
+        cached_tokens} (cached_tokens: of the prompt tokens, those read from its cache)."""
         return [{"model": r.model, "status": r.status, "prompt_tokens": r.billed_prompt_tokens,
-                 "completion_tokens": r.billed_completion_tokens} for r in self.requests]
+                 "completion_tokens": r.billed_completion_tokens, "cached_tokens": r.billed_cached_tokens}
+                for r in self.requests]
 
     @property
     def token_seconds(self) -> float:

@@ -7,7 +7,9 @@ import time
 import pytest
 from orchestrator.agent import history
 from orchestrator.engine import services
-from orchestrator.models import AgentMemory, AgentMessage, Task, TaskEvent, WalEntry
+from orchestrator.llm.results import estimate_tokens
+from orchestrator.llm.standin import _content_pieces
+from orchestrator.models import AgentMemory, AgentMessage, ModelCallAttempt, Task, TaskEvent, WalEntry
 from review.models import ReviewItem
 from review.services import review_decide
 from tests.conftest import wait_for
@@ -19,8 +21,20 @@ LONG_GOAL = ("Explain in plain words why a durable task harness checkpoints ever
              "intent is for, and why an idempotency key makes a replay safe")
 
 
+# Words the stand-in may send (and bill) after the client hung up, before its next write fails:
+# at 100 ms a word, the one in flight and one more; five is half a second of slack for a busy machine.
+IN_FLIGHT_TOKENS = 5
+
+
 def model_env(server, model: str = "standin-planner") -> dict:
     return {"LLM_BASE_URL": server.base_url, "LLM_API_KEY": "standin", "LLM_MODEL": model}
+
+
+def finished_billing(server) -> list[dict]:
+    """The stand-in's billing once it is done with every request (a stream the client left is
+    billed until the server's next write fails)."""
+    wait_for(lambda: all(r.finished for r in server.requests), timeout=10, message="the stand-in done streaming")
+    return server.billing
 
 
 def test_pause_mid_stream_keeps_the_partial_answer_and_resume_continues_from_the_exact_history(
@@ -54,6 +68,18 @@ def test_pause_mid_stream_keeps_the_partial_answer_and_resume_continues_from_the
     assert len(partial.content) < len(final.content)
     assert task.tokens_used == (partial.prompt_tokens + partial.completion_tokens
                                 + final.prompt_tokens + final.completion_tokens)
+    # The ledger has both attempts: the one the Pause cut (estimated: no usage came), then the
+    # completed one (the server's usage); together they are the task's tokens.
+    ledger = list(ModelCallAttempt.objects.filter(task=task).order_by("id").values_list(
+        "outcome", "estimated", "prompt_tokens", "completion_tokens"))
+    assert ledger == [("cancelled", True, partial.prompt_tokens, partial.completion_tokens),
+                      ("completed", False, final.prompt_tokens, final.completion_tokens)]
+    assert task.tokens_used == sum(prompt + completion for _, _, prompt, completion in ledger)
+    # Prompt tokens are what the stand-in billed, exactly (both count characters / 4 of the same
+    # request); the completed attempt's completion is the server's own count.
+    billed = finished_billing(standin_server)
+    assert [b["prompt_tokens"] for b in billed] == [partial.prompt_tokens, final.prompt_tokens]
+    assert billed[-1]["completion_tokens"] == final.completion_tokens
 
 
 def test_kill_9_after_the_email_went_out_goes_to_review_and_exactly_one_email_is_sent(
@@ -108,7 +134,6 @@ def test_kill_9_mid_stream_redoes_the_turn_from_what_had_streamed_and_counts_the
     assert task.tokens_used == (final.prompt_tokens + final.completion_tokens
                                 + lost.prompt_tokens + lost.completion_tokens)
     # The ledger has both attempts: the one lost with its process, estimated, and the completed one.
-    from orchestrator.models import ModelCallAttempt
     ledger = list(ModelCallAttempt.objects.filter(task=task).values_list("outcome", "estimated", "prompt_tokens",
                                                                          "completion_tokens"))
     assert ledger == [("lost", True, lost.prompt_tokens, lost.completion_tokens),
@@ -131,7 +156,8 @@ def test_kill_9_during_an_idempotent_tool_call_replays_it_with_its_key(standin_s
     assert memory.task_id == task.pk and "contract" in memory.value.lower()
 
 
-def test_stop_mid_stream_ends_the_call_at_once_and_keeps_what_had_streamed(standin_server, start_workers):
+def test_stop_mid_stream_ends_the_call_at_once_keeps_what_had_streamed_and_bills_it_in_the_ledger(
+        standin_server, start_workers):
     start_workers(1, **model_env(standin_server, "standin-planner+slow=0.1"))
     task = services.task_create(type="agent.plan_execute", params={"goal": LONG_GOAL, "tools": []})
     wait_for(lambda: TaskEvent.objects.filter(task=task, kind="progress", payload__message="agent.stream").exists(),
@@ -143,10 +169,25 @@ def test_stop_mid_stream_ends_the_call_at_once_and_keeps_what_had_streamed(stand
     [partial] = AgentMessage.objects.filter(task=task, role="assistant", interrupted=True)
     assert partial.content and not AgentMessage.objects.filter(task=task, role="assistant", interrupted=False)
     # The cancelled attempt is in the ledger (estimated: no usage came), and the budget counted it.
-    from orchestrator.models import ModelCallAttempt
     [cancelled] = ModelCallAttempt.objects.filter(task=task)
     assert cancelled.outcome == "cancelled" and cancelled.estimated and cancelled.completion_tokens > 0
     assert Task.objects.get(pk=task.pk).tokens_used == cancelled.prompt_tokens + cancelled.completion_tokens
+    # And it is what the stand-in billed for that request. The prompt exactly: the client and the
+    # server count characters / 4 of the same messages and tools.
+    [billed] = finished_billing(standin_server)
+    assert cancelled.prompt_tokens == billed["prompt_tokens"] > 0
+    # The completion cannot match exactly, and the test says by how much it may differ: the client,
+    # with no usage and no tokenizer, estimates characters / 4 of the text it received; the server
+    # bills one token per word it sent, the word in flight when the connection closed included.
+    # Each side is exact to its own rule ...
+    assert cancelled.completion_tokens == estimate_tokens(len(partial.content))
+    received_words = len(_content_pieces(partial.content))
+    assert received_words <= billed["completion_tokens"] <= received_words + IN_FLIGHT_TOKENS
+    # ... so the ledger's estimate is the bill within the characters-per-word ratio of this answer
+    # (1.3 to 3 estimated tokens a word for any prefix of it, 3 for its first word alone) and the
+    # words in flight: the tolerance the test states for a cut row's completion tokens.
+    assert (billed["completion_tokens"] - IN_FLIGHT_TOKENS <= cancelled.completion_tokens
+            <= 3 * billed["completion_tokens"])
 
 
 def test_kill_9_during_a_compaction_asks_for_the_summary_again_once_and_counts_the_lost_attempt(

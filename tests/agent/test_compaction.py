@@ -126,6 +126,43 @@ def test_a_server_refusal_with_nothing_to_summarise_pauses_the_task_with_the_ser
     assert [r.status for r in asked] == [400]
 
 
+
+def test_a_dialog_the_server_still_refuses_once_compacted_pauses_the_task_and_asks_no_third_time(model, settings):
+    # The harness believes a window ten times the server's and never compacts on its own; the
+    # server's window is exactly the size of the first request. Turn 1 fits; turn 2 (turn 1 and its
+    # call's result) is refused; the turn compacts turn 1 and asks again, and that request (turn 1's
+    # plus the summary) is refused too: the task pauses with the server's words and what to do. It
+    # neither fails, nor compacts again, nor asks a third time.
+    settings.ORCH_AGENT_COMPACT_AT = 1.0
+    settings.LLM_CONTEXT_WINDOW = 10 * WINDOW
+    probe = long_agent(max_turns=1)  # the same first request, against the fixture's 8,192-token window
+    assert drive_inline(probe.pk) == "paused"
+    [first] = [r for r in model.requests if r.path.endswith("/chat/completions")]
+    window = _estimate_prompt_tokens(first.body)
+    settings.LLM_MODEL = f"standin-planner+context_window={window}"
+    seen = len(model.requests)
+
+    task = long_agent()
+    assert drive_inline(task.pk) == "paused"
+    task = Task.objects.get(pk=task.pk)
+    assert task.paused_by_limit == "context_window", task.status_reason
+    assert f"maximum context length is {window} tokens" in task.status_reason
+    assert "The dialog was compacted and still does not fit; pick a model with a larger window" in task.status_reason
+    asked = [r for r in model.requests[seen:] if r.path.endswith("/chat/completions")]
+    summary_asked = [r.body["messages"][0]["content"] == compaction.SUMMARY_PROMPT for r in asked]
+    assert [(r.status, summary) for r, summary in zip(asked, summary_asked)] == [
+        (200, False), (400, False), (200, True), (400, False)]
+    assert _estimate_prompt_tokens(asked[0].body) == window  # the first turn did fit, exactly
+    # The request refused the second time was the compacted one: turn 1 summarised, its messages gone.
+    assert summary_in(asked[3]).startswith("[Summary of turns 1-1,")
+    assert not [m for m in asked[3].body["messages"] if m["role"] == "tool"]
+    [summary] = AgentMessage.objects.filter(task=task, role="summary", interrupted=False)
+    assert summary.summary_of["last_turn"] == 1
+    # Each attempt is in the ledger: the refusals spent nothing.
+    from orchestrator.models import ModelCallAttempt
+    assert list(ModelCallAttempt.objects.filter(task=task).order_by("id").values_list("purpose", "outcome")) == [
+        ("turn", "completed"), ("turn", "refused"), ("summary", "completed"), ("turn", "refused")]
+
 def test_a_goal_too_long_for_the_window_pauses_with_a_reason_and_sends_nothing(model, settings):
     settings.LLM_CONTEXT_WINDOW = 1024
     task = long_agent(goal=GOAL + " " + "context " * 1200)

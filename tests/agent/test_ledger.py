@@ -118,3 +118,76 @@ def test_the_api_the_export_and_the_admin_carry_the_ledger(model, settings, clie
     tokens = Task.objects.get(pk=task.pk).tokens_used
     page = client.get("/").content.decode()
     assert f'data-testid="task-usage">{tokens} tokens · cost {usage["cost"].rstrip("0")}</div>' in page
+
+
+@pytest.mark.parametrize("fault, params, status, outcomes", [
+    # The answer reaches max_tokens_per_call at the third turn: the server's usage, and a pause.
+    ("", {"max_tokens_per_call": 16}, "paused", ["completed", "completed", "length"]),
+    # Every request fails with a 500 (the prompt read: billed): three attempts (LLM_MAX_ATTEMPTS),
+    # the last one `failed`; the step tries once more the same way, then asks a person.
+    ("+500", {}, "needs_human", ["retried", "retried", "failed"] * 2),
+    # The server's window (300 tokens) is smaller than the first request: refused unread.
+    ("+context_window=300", {}, "paused", ["refused"]),
+    # The server cuts every stream half way (a prose answer: no tools); the step tries once more.
+    ("+cut", {"tools": []}, "needs_human", ["cut", "cut"]),
+], ids=["length", "failed", "refused", "cut"])
+def test_each_outcome_is_a_row_counted_by_the_task_and_billed_by_the_stand_in(model, settings, fault, params,
+                                                                               status, outcomes):
+    from orchestrator.llm.results import estimate_tokens
+    from orchestrator.llm.standin import _content_pieces
+    from orchestrator.models import AgentMessage
+
+    priced(settings, model, STANDIN_MODEL + fault)
+    task = agent(**params)
+    assert drive_inline(task.pk) == status, Task.objects.get(pk=task.pk).status_reason
+    rows = list(ModelCallAttempt.objects.filter(task=task).order_by("id"))
+    assert [r.outcome for r in rows] == outcomes
+    # One row per request the stand-in received, in order; the prompt tokens are what it billed,
+    # row by row (both count characters / 4 of the same request; 0 for the refusal it never read).
+    billed = model.billing
+    assert [r.prompt_tokens for r in rows] == [b["prompt_tokens"] for b in billed]
+    if fault == "+cut":
+        # No usage comes with a cut stream: the client estimates characters / 4 of the text it
+        # received, the server billed one token per word it sent. The stand-in flushes what it
+        # sent before it closes (and streams without a pause here), so the client received every
+        # word billed: each side is exact to its own rule, and the two differ by the
+        # characters-per-word ratio of the text (about 1.5 estimated tokens a word).
+        kept = list(AgentMessage.objects.filter(task=task, role="assistant", interrupted=True).order_by("id"))
+        assert len(kept) == len(rows) and all(m.content for m in kept)
+        assert [r.completion_tokens for r in rows] == [estimate_tokens(len(m.content)) for m in kept]
+        assert [b["completion_tokens"] for b in billed] == [len(_content_pieces(m.content)) for m in kept]
+        assert all(b["completion_tokens"] / 2 <= r.completion_tokens <= 2 * b["completion_tokens"]
+                   for r, b in zip(rows, billed))
+        assert all(r.estimated for r in rows)
+    else:
+        assert [r.completion_tokens for r in rows] == [b["completion_tokens"] for b in billed]
+        # Estimated where no usage came (a failed attempt's prompt); the server's count otherwise.
+        assert [r.estimated for r in rows] == [r.outcome in ("retried", "failed") for r in rows]
+    if fault == "+context_window=300":
+        assert rows[0].prompt_tokens == rows[0].completion_tokens == 0 and "context window" in rows[0].error
+    # Each row priced at the profile's rates; the task counted every attempt, whatever its outcome.
+    assert all(r.cost == cost(r.prompt_tokens, r.completion_tokens) for r in rows)
+    task = Task.objects.get(pk=task.pk)
+    assert task.tokens_used == sum(r.prompt_tokens + r.completion_tokens for r in rows)
+    assert llm_ledger.cost_used(task.pk) == sum(r.cost for r in rows)
+
+
+def test_cached_prompt_tokens_reach_the_ledger_and_are_priced_at_the_cached_price(model, settings):
+    # The server reads 256 tokens of every prompt (each is longer) from its cache, and says so in
+    # its usage (prompt_tokens_details.cached_tokens); the profile prices them at 1 a million.
+    settings.LLM_MODELS = json.dumps({"priced": {"base_url": model.base_url, "api_key": "standin",
+                                                 "model": f"{STANDIN_MODEL}+cached=256", **PRICES,
+                                                 "price_cached_per_million": 1}})
+    task = agent()
+    assert drive_inline(task.pk) == "completed", Task.objects.get(pk=task.pk).status_reason
+    rows = list(ModelCallAttempt.objects.filter(task=task).order_by("id"))
+    billed = model.billing
+    assert len(rows) == len(billed) >= 3 and all(r.outcome == "completed" for r in rows)
+    assert [r.cached_tokens for r in rows] == [b["cached_tokens"] for b in billed] == [256] * len(rows)
+    assert [r.prompt_tokens for r in rows] == [b["prompt_tokens"] for b in billed]
+    # The cached tokens at the cached price, the rest of the prompt at the input price.
+    for r in rows:
+        assert r.cost == (Decimal((r.prompt_tokens - 256) * 2 + 256 * 1 + r.completion_tokens * 8)
+                          / Decimal(1_000_000)).quantize(Decimal("0.000001"))
+        assert r.cost < cost(r.prompt_tokens, r.completion_tokens)
+    assert llm_ledger.totals(task.pk)["cached_tokens"] == 256 * len(rows)
