@@ -75,6 +75,10 @@ class Task(models.Model):
     # The task stack (engine/preemption.py): a frame per urgent subtask that suspended the
     # work below it, newest last; the runner runs only the top frame's steps. Depth <= 4.
     stack = models.JSONField(default=list, blank=True)
+    # The compatibility fingerprint of the code the task last ran against (tasktypes/fingerprint.py):
+    # written when a run starts and when a resume admits a change (engine/compat.py, the one writer);
+    # a resume compares it with the code's now. Empty: never ran (nothing to compare).
+    compat = models.JSONField(default=dict, blank=True)
     # Retention (engine/retention.py): when each rule was applied to this finished task.
     stream_events_dropped_at = models.DateTimeField(null=True, blank=True)
     events_compacted_at = models.DateTimeField(null=True, blank=True)

@@ -26,6 +26,14 @@ is enforced: the token is cancelled at the deadline, and a body still running is
 
 Task types: subclass TaskType, decorate it with @register_task_type; a step calls a tool with
 `call_tool(ctx, name, args)` (or `ctx.effect(name, args)` for a side effect).
+
+Resuming after a deploy: a paused task remembers the code it ran against — the type's `version`
+(a string, "1" by default: raise it when a change breaks what a paused task holds), a digest of
+its `plan` function, and the schemas of the tools named in `uses_tools` (an agent's prompts,
+model and granted tools too). A resume on different code follows `on_incompatible_resume`
+(RESUME_POLICIES): "ask" (the default: the operator sees the differences and accepts them),
+"pin" (refused) or "migrate" (`migrate(self, params, differences) -> params`). Extend
+`compat_fingerprint(self, params)` (call super()) with digests of your own.
 """
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -40,7 +48,7 @@ from .engine.context import LimitExceeded, WaitTimedOut
 from .models import EffectClass
 from .primitives.cancellation import CancellationToken, Cancelled
 from .tasktypes import register as _register
-from .tasktypes.base import FAILURE_POLICIES, StepSpec, TaskType
+from .tasktypes.base import FAILURE_POLICIES, RESUME_POLICIES, StepSpec, TaskType
 from .tools.base import NotPerformed, OutcomeUnknown, ProbeResult, ToolError
 
 READ_ONLY = EffectClass.READ_ONLY
@@ -49,7 +57,7 @@ KEYED = EffectClass.KEYED
 NON_IDEMPOTENT = EffectClass.NON_IDEMPOTENT
 
 __all__ = [
-    "TaskType", "StepSpec", "FAILURE_POLICIES", "register_task_type", "task_type", "StepContext",
+    "TaskType", "StepSpec", "FAILURE_POLICIES", "RESUME_POLICIES", "register_task_type", "task_type", "StepContext",
     "READ_ONLY", "IDEMPOTENT", "KEYED", "NON_IDEMPOTENT", "EffectClass", "tool", "ToolCall", "call_tool",
     "ToolError", "NotPerformed", "OutcomeUnknown", "ProbeResult", "Cancelled", "CancellationToken",
     "WaitTimedOut", "LimitExceeded",
@@ -128,6 +136,16 @@ def register_task_type(cls: type[TaskType]) -> type[TaskType]:
                         f"are generated from it)")
     if cls.on_step_failure not in FAILURE_POLICIES:
         raise ValueError(f"{cls.__qualname__}: on_step_failure must be one of {', '.join(FAILURE_POLICIES)}")
+    # The compatibility gate of a resume after a deploy (docs/extending.md "Versions and resuming").
+    if cls.on_incompatible_resume not in RESUME_POLICIES:
+        raise ValueError(f"{cls.__qualname__}: on_incompatible_resume must be one of {', '.join(RESUME_POLICIES)}")
+    if cls.on_incompatible_resume == "migrate" and cls.migrate is TaskType.migrate:
+        raise TypeError(f"{cls.__qualname__}: on_incompatible_resume = 'migrate' needs a migrate(params, "
+                        f"differences) method")
+    if not isinstance(cls.version, str) or not cls.version.strip():
+        raise TypeError(f"{cls.__qualname__}: `version` is a non-empty string (e.g. '2')")
+    if isinstance(cls.uses_tools, str) or not all(isinstance(n, str) for n in cls.uses_tools):
+        raise TypeError(f"{cls.__qualname__}: `uses_tools` is a tuple of tool names")
     return _register(cls)
 
 

@@ -45,7 +45,7 @@ def skip_step(request, body: SkipStepIn, task_id: int = id_param("a task id")):
     require(request, roles.OPERATOR)
     get_task(task_id)
     services.task_skip_step(task_id=task_id, step_id=body.step_id, reason=body.reason, actor=request.auth,
-                            ip=client_ip(request))
+                            ip=client_ip(request), accept_changes=body.accept_changes)
     return task_out(get_task(task_id), request.auth)
 
 
@@ -58,7 +58,10 @@ def resume_task(request, task_id: int = id_param("a task id"), body: ResumeIn | 
     preview's `version` as `expected_version` is refused (409) if the task changed meanwhile,
     or if it would perform a non-idempotent effect again that `repeat_effects` does not
     confirm (the preview's `must_confirm`). `limits` raises limits (a task paused by a limit
-    needs that)."""
+    needs that). If the task type's code changed since the task paused (the preview's
+    `compatibility`), its policy decides: `pin` refuses (409, each difference in `errors`),
+    `migrate` adapts the params, `ask` refuses (409) unless `accept_changes: true`. A dry run
+    without `params` is the resume preview."""
     optional_object_body(request)
     require(request, roles.OPERATOR)
     task = get_task(task_id)
@@ -71,12 +74,13 @@ def resume_task(request, task_id: int = id_param("a task id"), body: ResumeIn | 
         else:
             preview = revisions.apply_edit(task_id=task_id, new_params=new_params, expected_version=body.expected_version,
                                            limits=body.limits, repeat_effects=body.repeat_effects,
-                                           actor=request.auth, ip=client_ip(request))
+                                           actor=request.auth, ip=client_ip(request),
+                                           accept_changes=body.accept_changes)
     elif body.dry_run:
         preview = revisions.preview_edit(task, task.params, request.auth)[0]
     else:
         services.task_resume(task_id=task_id, limits=body.limits, actor=request.auth, ip=client_ip(request),
-                             reason=body.reason)
+                             reason=body.reason, accept_changes=body.accept_changes)
     return RevisionOut(applied=not body.dry_run, preview=preview.as_dict() if preview else None,
                        task=task_out(get_task(task_id), request.auth))
 
@@ -93,6 +97,6 @@ def rollback_task(request, body: RollbackIn, task_id: int = id_param("a task id"
     else:
         preview = revisions.apply_rollback(task_id=task_id, version=body.version, expected_version=body.expected_version,
                                            repeat_effects=body.repeat_effects, actor=request.auth,
-                                           ip=client_ip(request))
+                                           ip=client_ip(request), accept_changes=body.accept_changes)
     return RevisionOut(applied=not body.dry_run, preview=preview.as_dict(),
                        task=task_out(get_task(task_id), request.auth))

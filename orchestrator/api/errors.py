@@ -83,7 +83,9 @@ def install(api: NinjaAPI) -> None:
 
     @api.exception_handler(InvalidTransition)
     def on_invalid_transition(request, exc: InvalidTransition):
-        return api.create_response(request, {"detail": str(exc), "errors": []}, status=409)
+        # A resume refused by the compatibility gate (engine/compat.py) lists what changed, one per entry.
+        errors = [{"field": f"compatibility.{d['key']}", "message": d["text"]} for d in getattr(exc, "differences", ())]
+        return api.create_response(request, {"detail": str(exc), "errors": errors}, status=409)
 
     @api.exception_handler(Forbidden)
     def on_forbidden(request, exc: Forbidden):

@@ -72,13 +72,15 @@ def send_event(request, body: EventIn, task_id: int = id_param("a task id")):
     """Send an event into a task's inbox: committed before the reply (202). A repeated
     `source_event_id` with the same payload answers the first event (200, `duplicate`);
     with another payload, 409. The operator controls (pause, stop, terminate, resume) act as
-    their own endpoints do. 429 (with Retry-After) when the task's backlog refuses the priority."""
+    their own endpoints do (a resume's payload may hold `"accept_changes": true`). 429 (with Retry-After) when the task's backlog refuses the priority."""
     require(request, roles.OPERATOR)
     task = get_task(task_id)
     if body.type in CONTROLS:
         before = task.inbox_seq
+        # A resume may accept the changes of its type's code since the task paused (engine/compat.py).
+        extra = {"accept_changes": body.payload.get("accept_changes") is True} if body.type == "resume" else {}
         CONTROLS[body.type](task_id=task_id, actor=request.auth, ip=client_ip(request),
-                            source_event_id=body.source_event_id)
+                            source_event_id=body.source_event_id, **extra)
         event = InboundEvent.objects.filter(task_id=task_id, type=body.type).order_by("-seq").first()
         if event is None:
             raise inbox.InboxRefused(409, f"task #{task_id} is {get_task(task_id).status}: nothing to {body.type}")

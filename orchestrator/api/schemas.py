@@ -196,6 +196,9 @@ class ControlIn(Schema):
 class SkipStepIn(Schema):
     step_id: str = Field(..., min_length=1, max_length=200)
     reason: str = Field(..., min_length=1, max_length=500, description="Why the task can go on without the step")
+    accept_changes: bool = Field(False, description=(
+        "Continue although the task type's code changed since the task paused (its policy `ask`: the "
+        "preview's `compatibility.differences`); without it such a resume is refused (409). Audited."))
 
 
 class ResumeIn(ControlIn):
@@ -208,6 +211,9 @@ class ResumeIn(ControlIn):
     repeat_effects: list[str] | None = Field(None, description=(
         "Idempotency keys of the non-idempotent side effects the edit performs again (the "
         "preview's `must_confirm`), each confirmed explicitly; without them the edit is refused (409)."))
+    accept_changes: bool = Field(False, description=(
+        "Continue although the task type's code changed since the task paused (its policy `ask`: the "
+        "preview's `compatibility.differences`); without it such a resume is refused (409). Audited."))
 
 
 class PreviewOut(Schema):
@@ -222,6 +228,10 @@ class PreviewOut(Schema):
     must_confirm: list[str]
     effects_after: list[dict]
     rollback_to: int | None
+    compatibility: dict = Field(default_factory=dict, description=(
+        "the compatibility gate (a resume after a deploy): `policy` (pin, migrate, ask), `differences` "
+        "[{key, before, after, text}] between the code the task paused on and the code now, "
+        "`needs_acceptance` (send accept_changes), `refused` (pin), `migrated_params` (migrate)"))
 
 
 class RevisionOut(Schema):
@@ -237,6 +247,9 @@ class RollbackIn(Schema):
     repeat_effects: list[str] | None = Field(None, description=(
         "Idempotency keys of the non-idempotent side effects the rollback performs again (the "
         "preview's `must_confirm`); without them the rollback is refused (409)."))
+    accept_changes: bool = Field(False, description=(
+        "Continue although the task type's code changed since the task paused (its policy `ask`: the "
+        "preview's `compatibility.differences`); without it such a resume is refused (409). Audited."))
 
 
 class ApprovalVoteOut(Schema):

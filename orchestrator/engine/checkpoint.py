@@ -30,7 +30,7 @@ from ..conf import harness
 from ..outage import retry_while_down
 from ..models import (IdempotencyRecord, InboundEvent, InboundState, Snapshot, Step, StepResult, StepStatus, Task,
                       TaskEvent, TaskStatus, WalEntry)
-from . import snapshots, states, wal
+from . import compat, snapshots, states, wal
 from .events import NOTIFY_CHANNEL, create_event, cross_process_layer, publish_hint
 from ..primitives.faults import armed as armed_faults, fault_point
 from .inbox import INBOX_ADDER
@@ -563,11 +563,17 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
         task = lock_fenced(lease)
         # worker.pid in the API: the process executing the steps (killing it is a crash).
         task.worker_pid = os.getpid()
+        # The code this run runs the task on: what a resume after a deploy compares (engine/compat.py).
+        try:
+            fingerprint_changed = compat.record(task, task_type=task_type)
+        except Exception:  # a type's own compat_fingerprint failing must not stop its runs
+            log.exception("compatibility fingerprint not recorded", extra={"task_id": task.pk})
+            fingerprint_changed = False
         if task.status == TaskStatus.QUEUED:
             states.transition(task, TaskStatus.RUNNING, reason="running on a worker",
                               extra={"worker": f"{lease.host}:{task.worker_pid}"})
         else:
-            task.save(update_fields=["worker_pid"])
+            task.save(update_fields=["worker_pid", "compat"] if fingerprint_changed else ["worker_pid"])
         rows = plan_rows(task)
         if rows:
             plan = plan_from(rows)

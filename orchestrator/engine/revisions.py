@@ -24,7 +24,7 @@ from ..models import InboundEvent, Step, StepStatus, Task, TaskStatus as S, WalE
 from ..tasktypes import get_type
 from ..tasktypes.base import StepSpec
 from ..tools.base import ToolError, get_tool
-from . import actions, approvals, inbox, scheduler, snapshots, states
+from . import actions, approvals, compat, inbox, scheduler, snapshots, states
 from .checkpoint import snapshot_now, step_row
 from .events import append_event
 from .inbox import INBOX_ADDER
@@ -63,6 +63,9 @@ class Preview:
     must_confirm: list[str] = field(default_factory=list)
     effects_after: list[dict] = field(default_factory=list)  # rollback: effects after the version (not undone)
     rollback_to: int | None = None
+    # The compatibility gate (engine/compat.py): the type's policy and what changed in its code
+    # since the task paused; `needs_acceptance` (ask): confirm with accept_changes.
+    compatibility: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -111,13 +114,20 @@ def edited_params(task: Task, changes: dict) -> dict:
     return validate_params(task.type, {**task.params, **(changes or {})})
 
 
-def preview_edit(task: Task, new_params: dict, actor=None) -> tuple[Preview, list]:
-    """The impact of replacing `task.params` by `new_params` (already validated)."""
+def preview_edit(task: Task, new_params: dict, actor=None, *, admitted: dict | None = None) -> tuple[Preview, list]:
+    """The impact of replacing `task.params` by `new_params` (already validated). A task
+    whose type migrates params for changed code is previewed with the migration applied
+    under the edit (`admitted`: the gate as apply_edit found it, the migration done)."""
     actions.require(task, "edit", actor)
+    gate = admitted
+    if gate is None:
+        gate = compat.preview(task)
+        if gate.get("migrated_params") is not None:
+            new_params = compat.overlay(task.params, gate["migrated_params"], new_params)
     old = task.params
     changed = {k for k in set(old) | set(new_params) if old.get(k) != new_params.get(k)}
     preview = Preview(task_id=task.pk, version=task.event_seq,
-                      param_diff={k: [old.get(k), new_params.get(k)] for k in sorted(changed)})
+                      param_diff={k: [old.get(k), new_params.get(k)] for k in sorted(changed)}, compatibility=gate)
     task_type = get_type(task.type)
     static_specs = task_type.plan(task_type.Params.model_validate(new_params))
     static_ids = {spec.id for spec in static_specs}
@@ -207,17 +217,24 @@ def kept_stack(stack: list, step_ids: set[str]) -> list:
 
 
 def apply_edit(*, task_id: int, new_params: dict, expected_version: int | None, limits: dict | None = None,
-               repeat_effects: list[str] | None = None, actor=None, ip=None) -> Preview:
+               repeat_effects: list[str] | None = None, actor=None, ip=None, accept_changes: bool = False) -> Preview:
     with transaction.atomic():
         task = states.lock_task(task_id)
-        preview, new_specs = preview_edit(task, new_params, actor)
+        actions.require(task, "edit", actor)
         _check_fresh(task, expected_version)
+        # The code may have changed since the task paused: the type's policy first (engine/compat.py).
+        gate = compat.preview(task)
+        migrated = compat.admit(task, accept_changes=accept_changes, actor=actor, ip=ip, action="edit and resume")
+        if migrated is not None:
+            new_params = validate_params(task.type, compat.overlay(task.params, migrated, new_params))
+        preview, new_specs = preview_edit(task, new_params, actor, admitted=gate)
         # An edit cannot grant what its author could not grant at creation (a tool that
         # reaches the host, a waived approval); what the task held already stays.
         granted = authorize_params(task.type, new_params, actor=actor, before=task.params)
         _confirm_repeats(task, preview, repeat_effects, actor=actor, ip=ip)
         before = {"params": task.params, "limits": task.limits, "checkpoint_version": task.checkpoint_version}
         task.params = new_params
+        compat.record(task)  # what it continues on, with its new params
         if limits:
             task.limits = validate_limits({**task.limits, **limits})
         _rewrite_plan(task, new_specs, keep=set(preview.kept))
@@ -289,6 +306,7 @@ def preview_rollback(task: Task, version: int, actor=None) -> Preview:
     at_version = state.get("steps", {})
     gens_then = state.get("generations", {})
     preview = Preview(task_id=task.pk, version=task.event_seq, rollback_to=version,
+                      compatibility=compat.preview(task, state["params"]),
                       param_diff={k: [task.params.get(k), state["params"].get(k)]
                                   for k in sorted(set(task.params) | set(state["params"]))
                                   if task.params.get(k) != state["params"].get(k)})
@@ -317,7 +335,7 @@ def preview_rollback(task: Task, version: int, actor=None) -> Preview:
 
 
 def apply_rollback(*, task_id: int, version: int, expected_version: int | None,
-                   repeat_effects: list[str] | None = None, actor=None, ip=None) -> Preview:
+                   repeat_effects: list[str] | None = None, actor=None, ip=None, accept_changes: bool = False) -> Preview:
     with transaction.atomic():
         task = states.lock_task(task_id)
         preview = preview_rollback(task, version, actor)
@@ -325,7 +343,11 @@ def apply_rollback(*, task_id: int, version: int, expected_version: int | None,
         _confirm_repeats(task, preview, repeat_effects, actor=actor, ip=ip)
         before = {"params": task.params, "checkpoint_version": task.checkpoint_version}
         state = snapshots.materialize(task.pk, version)
-        task.params = state["params"]
+        # The code may have changed since the task paused: the type's policy (engine/compat.py).
+        migrated = compat.admit(task, accept_changes=accept_changes, actor=actor, ip=ip, action="roll back",
+                                params=state["params"])
+        task.params = state["params"] if migrated is None else migrated
+        compat.record(task)
         task_type = get_type(task.type)
         steps = list(Step.objects.filter(task=task).order_by("position"))
         specs = task_type.plan(task_type.Params.model_validate(task.params)) + added_specs(

@@ -14,7 +14,8 @@ from ..tasktypes import get_type
 from . import actions, approvals, inbox, recovery, scheduler, states
 from .audit import audit
 from .events import append_event
-from .checkpoint import plan_from, plan_rows, skip_steps
+from .checkpoint import plan_from, plan_rows, skip_steps, snapshot_now
+from . import compat
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +168,12 @@ def task_terminate(*, task_id: int, actor=None, ip=None, reason: str = "", sourc
 
 
 def task_resume(*, task_id: int, limits: dict | None = None, actor=None, ip=None, reason: str = "",
-                source_event_id: str = "") -> Task:
+                source_event_id: str = "", accept_changes: bool = False) -> Task:
     """Continue a paused task from its checkpoint on any worker, optionally with raised
     limits (a task paused by a limit continues once that limit is raised). A P1 event of
-    the task's inbox, consumed at once."""
+    the task's inbox, consumed at once. If the task's code changed since it paused, the
+    type's policy decides (engine/compat.py): refused (pin), migrated (migrate), or refused
+    unless `accept_changes` (ask); compat.IncompatibleResume lists what changed."""
     with transaction.atomic():
         task = states.lock_task(task_id)
         if task.status in (S.QUEUED, S.RUNNING) and not limits:
@@ -183,6 +186,13 @@ def task_resume(*, task_id: int, limits: dict | None = None, actor=None, ip=None
         actions.require(task, "resume", actor, limits=new_limits)
         if inbox.record_control(task, "resume", actor=actor, source_event_id=source_event_id).duplicate:
             return task
+        # A refused resume rolls back with this transaction: the task stays paused, the 409 says why.
+        migrated = compat.admit(task, accept_changes=accept_changes, actor=actor, ip=ip)
+        if migrated is not None:
+            before["params"] = task.params
+            task.params = migrated
+            task.checkpoint_version += 1
+            snapshot_now(task)
         inbox.settle_control(task, "resume", f"queued from checkpoint v{task.checkpoint_version}"
                                              + (f" with limits {new_limits}" if limits else ""))
         task.limits = new_limits
@@ -195,7 +205,8 @@ def task_resume(*, task_id: int, limits: dict | None = None, actor=None, ip=None
     return task
 
 
-def task_skip_step(*, task_id: int, step_id: str, reason: str, actor=None, ip=None) -> list[str]:
+def task_skip_step(*, task_id: int, step_id: str, reason: str, actor=None, ip=None,
+                   accept_changes: bool = False) -> list[str]:
     """An operator gives up on one step of a task that needs a human: the step (and the
     dependants it takes with it) is skipped with the operator's reason, and the task goes
     on. Returns the skipped step ids."""
@@ -209,6 +220,10 @@ def task_skip_step(*, task_id: int, step_id: str, reason: str, actor=None, ip=No
             raise InvalidInput([FieldError("step_id", f"task #{task.pk} has no step {step_id!r}")])
         if step.status in (StepStatus.DONE, StepStatus.SKIPPED):
             raise InvalidInput([FieldError("step_id", f"step {step_id} is {step.status} already")])
+        # The task continues: the same compatibility gate as a resume (engine/compat.py).
+        migrated = compat.admit(task, accept_changes=accept_changes, actor=actor, ip=ip, action="skip a step")
+        if migrated is not None:
+            task.params = migrated
         plan = plan_from(plan_rows(task))
         plan.status[step_id] = step.status  # the plan view treats a failed step as pending; skip it as it is
         why = f"skipped by {getattr(actor, 'username', '') or 'an operator'}: {reason.strip()[:300]}"

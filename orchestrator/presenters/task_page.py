@@ -18,6 +18,7 @@ from django.utils import timezone
 from .. import roles
 from ..agent import compaction, history
 from ..engine import actions as task_actions, inbox, llm_ledger, snapshots, states
+from ..engine import compat
 from ..models import AgentMessage, Task
 from ..primitives.redaction import redact, redact_text
 from ..tasktypes import all_types
@@ -111,6 +112,8 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
         "allowed_actions": " ".join(name for name, verdict in verdicts.items() if verdict.allowed),
         "controls_note": task_actions.controls_note(task, verdicts),
         "skippable_steps": task_actions.skippable_steps(task) if verdicts["skip_step"].allowed else [],
+        # What changed in the type's code since the task paused (engine/compat.py), beside Resume.
+        "compatibility": compat.for_page(task) if verdicts["resume"].allowed or verdicts["edit"].allowed else None,
         "is_terminal": task.status in states.TERMINAL,
     }
 

@@ -271,6 +271,18 @@ class PlanExecuteAgent(TaskType):
     def authorize(self, params: dict, *, actor, before: dict | None = None) -> list[tuple[str, str]]:
         return authorize(params, actor=actor, before=before)
 
+    def compat_fingerprint(self, params: dict) -> dict[str, str]:
+        # Besides the plan: the prompts (digests), the model the profile resolves to, and the
+        # schema of every tool it may call (its grants and the implicit ones).
+        from .fingerprint import sha256, tool_digests
+
+        found = super().compat_fingerprint(params)
+        found["prompt:system"] = sha256(params.get("system_prompt") or DEFAULT_SYSTEM_PROMPT)
+        found["prompt:summary"] = sha256(compaction.SUMMARY_PROMPT)
+        found["model"] = model_fingerprint(params.get("model") or "")
+        found.update(tool_digests([*(params.get("tools") or ()), *toolbox.IMPLICIT]))
+        return found
+
     def grants(self, params: dict) -> dict:
         return grants(params)
 
@@ -669,6 +681,14 @@ def calibrated_prompt_tokens(task_id: int, turn: int, messages: list[dict], offe
     if isinstance(usage, dict) and not usage.get("estimated") and usage.get("prompt") and usage.get("prompt_estimate"):
         factor = min(max(usage["prompt"] / usage["prompt_estimate"], CALIBRATION_BOUNDS[0]), CALIBRATION_BOUNDS[1])
     return math.ceil(raw * factor * CALIBRATION_MARGIN)
+
+
+def model_fingerprint(name: str) -> str:
+    """The profile a task names and the model it resolves to now (for the compatibility gate)."""
+    try:
+        return f"{name or '(default)'}: {profiles.resolve(name).model}"
+    except Exception as exc:  # an unreadable LLM_MODELS, a disabled profile: that is what it is now
+        return f"{name or '(default)'}: unavailable ({type(exc).__name__})"
 
 
 def _granted(p) -> list[str]:

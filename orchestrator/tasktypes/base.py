@@ -49,6 +49,9 @@ class StepSpec:
 # - fail: the task ends `failed`.
 FAILURE_POLICIES = ("needs_human", "skip", "fail")
 
+# What a resume does when the code changed since the task paused (TaskType.on_incompatible_resume).
+RESUME_POLICIES = ("pin", "migrate", "ask")
+
 
 class TaskType:
     """Subclass (from orchestrator.sdk), set `name`, `Params` and implement `plan` and
@@ -63,8 +66,34 @@ class TaskType:
     # Seconds a step of this type may run (StepSpec.timeout overrides it); None: ORCH_STEP_TIMEOUT_SECONDS.
     step_timeout: ClassVar[float | None] = None
 
+    # The compatibility gate of a resume (engine/compat.py, docs/operating.md "Resuming after a
+    # deploy"): a paused task records the fingerprint of the code it ran against (`version`, a
+    # digest of `plan`, the schemas of the tools in `uses_tools`); a resume on code whose
+    # fingerprint differs follows `on_incompatible_resume`:
+    # - "ask" (the default): refused until an operator, shown the differences, accepts them;
+    # - "pin": refused, with the differences (finish it on the old code, or start a new task);
+    # - "migrate": `migrate(params, differences)` gives the params it continues with.
+    # Raise `version` when a change breaks what a paused task holds (a result's shape, a step id).
+    version: ClassVar[str] = "1"
+    uses_tools: ClassVar[tuple[str, ...]] = ()  # the tools its steps call (call_tool / ctx.effect)
+    on_incompatible_resume: ClassVar[str] = "ask"  # one of RESUME_POLICIES
+
     def plan(self, params: BaseModel) -> list[StepSpec]:
         raise NotImplementedError
+
+    def compat_fingerprint(self, params: dict) -> dict[str, str]:
+        """The flat {key: value} map a paused task is compared on (tasktypes/fingerprint.py);
+        extend it (call super()) with digests of your own, e.g. a prompt template's."""
+        from .fingerprint import base_fingerprint
+
+        return base_fingerprint(self, params)
+
+    def migrate(self, params: dict, differences: list[dict]) -> dict:
+        """With on_incompatible_resume = "migrate": the params a paused task continues with on
+        this code, from those it paused with and the `differences` ({"key", "before", "after",
+        "text"} each). Pure: it may run for a preview too. Raise ValueError to refuse the resume
+        (the message is shown). Finished steps are kept; to re-run some, edit the params instead."""
+        raise NotImplementedError(f"{self.name} has on_incompatible_resume = 'migrate' but no migrate()")
 
     def run_step(self, ctx: "StepContext", step_id: str) -> Any:
         """Execute one step; return a JSON-serialisable result (committed with the step)."""

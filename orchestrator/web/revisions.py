@@ -7,7 +7,7 @@ from django.http import HttpResponseBadRequest
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 
-from ..engine import actions as task_actions, revisions, services, states
+from ..engine import actions as task_actions, compat, revisions, services, states
 from ..models import Task
 from .access import client_ip, get_task, require_operator, task_types, viewer_required
 from .forms import attach_errors, json_text, limit_fields, param_fields, prefill, read_form
@@ -72,6 +72,7 @@ def _edit_preview(request, task: Task, params: dict, limit_values: dict, status:
         "limit_warning": _limit_warning(task, preview, limit_values),
         "params_json": json_text(params),
         "limits_json": json_text(limit_values),
+        "compatibility": preview.compatibility,
     }, status=status)
 
 
@@ -120,6 +121,9 @@ def task_edit(request, task_id: int):
     if refused:
         return refused
     task_type = task_types()[task.type]
+    if request.method == "GET" and request.GET.get("resume"):
+        # The resume preview: no parameter changes, what a resume runs (and what changed in the code).
+        return _edit_preview(request, task, task.params, {})
     if request.method == "GET":
         return render(request, "orchestrator/task_edit.html", _edit_form_context(task, task_type))
     if "confirm" in request.POST:
@@ -153,8 +157,9 @@ def _edit_confirm(request, task: Task, task_type):
     try:
         preview = revisions.apply_edit(task_id=task.pk, new_params=params, expected_version=expected_version,
                                        limits=limit_values or None, repeat_effects=request.POST.getlist("repeat_effects"),
-                                       actor=request.user, ip=client_ip(request))
-    except (revisions.RepeatNotConfirmed, services.InvalidInput) as exc:
+                                       actor=request.user, ip=client_ip(request),
+                                       accept_changes=request.POST.get("accept_changes", "") in ("1", "on", "true"))
+    except (revisions.RepeatNotConfirmed, services.InvalidInput, compat.IncompatibleResume) as exc:
         messages.error(request, str(exc))
         return _edit_preview(request, get_task(task.pk), params, limit_values, status=409)
     except revisions.StalePreview:
@@ -202,6 +207,7 @@ def _rollback_preview(request, task: Task, version: int, status: int = 200):
         "preview": preview,
         "diff": [(key, json_text(old), json_text(new)) for key, (old, new) in preview.param_diff.items()],
         "lists": _step_lists(preview, ("kept", "rerun", "pending")),
+        "compatibility": preview.compatibility,
     }, status=status)
 
 
@@ -224,8 +230,9 @@ def task_rollback(request, task_id: int, version: int):
     try:
         preview = revisions.apply_rollback(task_id=task.pk, version=version, expected_version=expected_version,
                                            repeat_effects=request.POST.getlist("repeat_effects"),
-                                           actor=request.user, ip=client_ip(request))
-    except (revisions.RepeatNotConfirmed, services.InvalidInput) as exc:
+                                           actor=request.user, ip=client_ip(request),
+                                           accept_changes=request.POST.get("accept_changes", "") in ("1", "on", "true"))
+    except (revisions.RepeatNotConfirmed, services.InvalidInput, compat.IncompatibleResume) as exc:
         messages.error(request, str(exc))
         return _rollback_preview(request, get_task(task.pk), version, status=409)
     except revisions.StalePreview:

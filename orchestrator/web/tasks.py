@@ -15,7 +15,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from .. import selectors
-from ..engine import inbox, services, states
+from ..engine import compat, inbox, services, states
 from ..models import Task, TaskStatus
 from ..presenters.task_page import task_page_context, with_type_titles
 from ..primitives import jsonlimits
@@ -125,8 +125,14 @@ def task_control(request, task_id: int):
         return redirect(back)
 
     service, requested, settled = CONTROL_SERVICES[action]
+    extra = {"accept_changes": accepts_changes(request)} if action == "resume" else {}
     try:
-        task = service(task_id=task.pk, actor=request.user, ip=client_ip(request), reason=reason)
+        task = service(task_id=task.pk, actor=request.user, ip=client_ip(request), reason=reason, **extra)
+    except compat.IncompatibleResume as exc:
+        messages.error(request, f"Not resumed: {exc}")
+        if exc.policy == "ask" and task.status == TaskStatus.PAUSED:
+            # The resume preview shows what changed, with the box to accept it.
+            return redirect(reverse("task_edit", kwargs={"task_id": task.pk}) + "?resume=1")
     except states.InvalidTransition as exc:
         messages.error(request, str(exc))
     except Task.DoesNotExist:
@@ -139,6 +145,11 @@ def task_control(request, task_id: int):
     return redirect(back)
 
 
+def accepts_changes(request) -> bool:
+    """The "accept the changes" box of a resume (engine/compat.py): ticked or not."""
+    return request.POST.get("accept_changes", "") in ("1", "on", "true")
+
+
 @require_POST
 @viewer_required
 def task_skip_step(request, task_id: int):
@@ -148,7 +159,7 @@ def task_skip_step(request, task_id: int):
     step_id, reason = request.POST.get("step_id", ""), request.POST.get("reason", "").strip()[:500]
     try:
         skipped = services.task_skip_step(task_id=task.pk, step_id=step_id, reason=reason, actor=request.user,
-                                          ip=client_ip(request))
+                                          ip=client_ip(request), accept_changes=accepts_changes(request))
     except (services.InvalidInput, states.InvalidTransition) as exc:
         messages.error(request, f"Not skipped: {exc}")
     else:

@@ -1,5 +1,6 @@
 """`manage.py tasks create TYPE --param k=v ... | list | show ID | pause|resume|stop|terminate ID`,
 `tasks send ID TYPE --payload '{...}' [--priority P1]` (an event into the task's inbox),
+`--accept-changes` on resume/skip-step/rollback: continue on changed task-type code (engine/compat.py),
 plus revising a paused task: `tasks resume ID --param k=v ... [--limit k=v] [--dry-run]` (edit
 its params and resume) and `tasks rollback ID --version N [--dry-run]`."""
 import json
@@ -57,10 +58,14 @@ class Command(BaseCommand):
                 control.add_argument("--repeat-effect", action="append", default=[], metavar="KEY",
                                      help="confirm that this non-idempotent effect (idempotency key) is performed "
                                           "again; every one the preview lists must be confirmed")
+                control.add_argument("--accept-changes", action="store_true",
+                                     help="continue although the task type's code changed since the task paused (its "
+                                          "policy ask: the dry run lists the changes); audited")
         skip = sub.add_parser("skip-step", help="skip a step of a task that needs a human, and continue it")
         skip.add_argument("id", type=int)
         skip.add_argument("--step", required=True, help="the step id (see `show`)")
         skip.add_argument("--reason", required=True, help="why the task can go on without it")
+        skip.add_argument("--accept-changes", action="store_true", help="as for resume")
         send = sub.add_parser("send", help="send an event into a task (its inbox): user.message, instruction, ...")
         send.add_argument("id", type=int)
         send.add_argument("type", help="an event type: " + ", ".join(inbox.REGISTRY))
@@ -74,6 +79,7 @@ class Command(BaseCommand):
         rollback.add_argument("--dry-run", action="store_true", help="print the preview and change nothing")
         rollback.add_argument("--repeat-effect", action="append", default=[], metavar="KEY",
                               help="confirm that this non-idempotent effect is performed again")
+        rollback.add_argument("--accept-changes", action="store_true", help="as for resume")
 
     def handle(self, *args, action, **opts):
         if action == "create":
@@ -96,10 +102,11 @@ class Command(BaseCommand):
         elif action == "resume" and (opts["param"] or opts["dry_run"]):
             self.edit(opts["id"], params=dict(map(parse_param, opts["param"])),
                       limits=dict(map(parse_param, opts["limit"])), dry_run=opts["dry_run"],
-                      repeat_effects=opts["repeat_effect"])
+                      repeat_effects=opts["repeat_effect"], accept_changes=opts["accept_changes"])
         elif action == "skip-step":
             try:
-                skipped = services.task_skip_step(task_id=opts["id"], step_id=opts["step"], reason=opts["reason"])
+                skipped = services.task_skip_step(task_id=opts["id"], step_id=opts["step"], reason=opts["reason"],
+                                                  accept_changes=opts["accept_changes"])
             except services.InvalidInput as exc:
                 raise CommandError("\n".join(f"{e.field}: {e.message}" for e in exc.errors)) from None
             except (InvalidTransition, Task.DoesNotExist) as exc:
@@ -110,9 +117,10 @@ class Command(BaseCommand):
                       source_event_id=opts["source_event_id"], merge_key=opts["merge_key"])
         elif action == "rollback":
             self.rollback(opts["id"], version=opts["version"], dry_run=opts["dry_run"],
-                          repeat_effects=opts["repeat_effect"])
+                          repeat_effects=opts["repeat_effect"], accept_changes=opts["accept_changes"])
         else:
-            extra = {"limits": dict(map(parse_param, opts["limit"])) or None} if action == "resume" else {}
+            extra = ({"limits": dict(map(parse_param, opts["limit"])) or None, "accept_changes": opts["accept_changes"]}
+                     if action == "resume" else {})
             try:
                 task = CONTROLS[action](task_id=opts["id"], reason=opts["reason"], **extra)
             except Task.DoesNotExist:
@@ -171,7 +179,8 @@ class Command(BaseCommand):
         except Task.DoesNotExist:
             raise CommandError(f"There is no task #{task_id}.") from None
 
-    def edit(self, task_id: int, *, params: dict, limits: dict, dry_run: bool, repeat_effects: list[str]) -> None:
+    def edit(self, task_id: int, *, params: dict, limits: dict, dry_run: bool, repeat_effects: list[str],
+             accept_changes: bool = False) -> None:
         """Edit params and resume, at the task's current version (or only preview it)."""
         task = self._task(task_id)
         try:
@@ -184,14 +193,15 @@ class Command(BaseCommand):
         except InvalidTransition as exc:
             raise CommandError(str(exc)) from None
         unconfirmed = set(preview.must_confirm) - set(repeat_effects)
-        if dry_run or unconfirmed:
+        if dry_run or unconfirmed or (preview.compatibility.get("differences") and not accept_changes):
             self.print_preview(task, preview, title="edit preview", limits=limits)
         if dry_run:
             self.stdout.write("dry run: nothing changed")
             return
         try:
             preview = revisions.apply_edit(task_id=task.pk, new_params=new_params, expected_version=preview.version,
-                                           limits=limits or None, repeat_effects=repeat_effects)
+                                           limits=limits or None, repeat_effects=repeat_effects,
+                                           accept_changes=accept_changes)
         except InvalidTransition as exc:  # StalePreview too: the task moved meanwhile
             raise CommandError(str(exc)) from None
         except services.InvalidInput as exc:
@@ -200,7 +210,8 @@ class Command(BaseCommand):
         self.stdout.write(f"task #{task.pk}: params edited ({', '.join(preview.param_diff) or 'no change'}); "
                           f"{len(preview.rerun)} step(s) to re-run; {task.status}")
 
-    def rollback(self, task_id: int, *, version: int, dry_run: bool, repeat_effects: list[str]) -> None:
+    def rollback(self, task_id: int, *, version: int, dry_run: bool, repeat_effects: list[str],
+                 accept_changes: bool = False) -> None:
         task = self._task(task_id)
         try:
             preview = revisions.preview_rollback(task, version)
@@ -211,7 +222,7 @@ class Command(BaseCommand):
             if set(preview.must_confirm) - set(repeat_effects):
                 self.print_preview(task, preview, title=f"rollback preview to v{version}")
             preview = revisions.apply_rollback(task_id=task.pk, version=version, expected_version=preview.version,
-                                               repeat_effects=repeat_effects)
+                                               repeat_effects=repeat_effects, accept_changes=accept_changes)
         except InvalidTransition as exc:
             raise CommandError(str(exc)) from None
         except services.InvalidInput as exc:
@@ -244,3 +255,12 @@ class Command(BaseCommand):
             write(f"  {effect['step']:<16} {effect['tool']:<12} {effect['idempotency_key']}  {effect['consequence']}"
                   f"{'' if effect['idempotent'] else '  NOT idempotent: confirm with --repeat-effect KEY'}")
         write(f"must confirm: {', '.join(preview.must_confirm) or 'nothing'}")
+        gate = preview.compatibility or {}
+        if gate.get("differences"):
+            write(f"code changed since the task paused (policy {gate['policy']}):")
+            for difference in gate["differences"]:
+                write(f"  {difference['text']}")
+            write({"pin": "  refused: the type pins the code a task started with",
+                   "migrate": f"  the type's migrate() gives: {json.dumps(gate.get('migrated_params'))}"
+                              + (f" (refused: {gate['migrate_error']})" if gate.get("migrate_error") else ""),
+                   "ask": "  confirm with --accept-changes"}[gate["policy"]])
