@@ -7,11 +7,12 @@ from datetime import timedelta
 from django.utils import timezone
 
 from .models import ApiToken
+from .primitives.errors import HarnessError
 
 TOKEN_PREFIX = "orch_"
 
 
-class TokenRejected(Exception):
+class TokenRejected(HarnessError):
     """A bearer token that does not authenticate anyone; the message says why."""
 
 

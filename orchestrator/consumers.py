@@ -36,6 +36,7 @@ from .outage import DATABASE_DOWN
 from .presenters import fragments
 from .primitives import jsonlimits
 from .primitives.redaction import redact
+from .primitives.errors import HarnessError
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ RESUME_WAIT = 0.5  # how long to wait for a `resume_from` message before streami
 MAX_SEQ = 2**63 - 1  # seqs and ids are signed 64-bit in the database
 
 
-class BadSeq(ValueError):
+class BadSeq(HarnessError, ValueError):
     pass
 
 

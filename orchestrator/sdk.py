@@ -47,6 +47,7 @@ from .agent.tooldef import ToolCall, tool
 from .engine.context import LimitExceeded, WaitTimedOut
 from .models import EffectClass
 from .primitives.cancellation import CancellationToken, Cancelled
+from .primitives.errors import HarnessError, StepSignal
 from .tasktypes import register as _register
 from .tasktypes.base import FAILURE_POLICIES, RESUME_POLICIES, StepSpec, TaskType
 from .tools.base import NotPerformed, OutcomeUnknown, ProbeResult, ToolError
@@ -60,7 +61,7 @@ __all__ = [
     "TaskType", "StepSpec", "FAILURE_POLICIES", "RESUME_POLICIES", "register_task_type", "task_type", "StepContext",
     "READ_ONLY", "IDEMPOTENT", "KEYED", "NON_IDEMPOTENT", "EffectClass", "tool", "ToolCall", "call_tool",
     "ToolError", "NotPerformed", "OutcomeUnknown", "ProbeResult", "Cancelled", "CancellationToken",
-    "WaitTimedOut", "LimitExceeded",
+    "WaitTimedOut", "LimitExceeded", "HarnessError", "StepSignal",
 ]
 
 

@@ -38,13 +38,14 @@ from orchestrator.models import Step, Task
 from orchestrator.notifications import APPROVAL_EXPIRED, notify
 
 from .models import ApprovalVote, Decision, OnExpiry, ReviewItem, ReviewKind, ReviewStatus
+from orchestrator.primitives.errors import HarnessError
 
 log = logging.getLogger(__name__)
 
 EXPIRY_BATCH = 500  # items per sweep; the rest at the next one
 
 
-class DecisionRefused(Exception):
+class DecisionRefused(HarnessError):
     """A decision that changes nothing; `status` is the HTTP status that says why."""
     status = 409
 

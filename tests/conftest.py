@@ -158,12 +158,25 @@ def process_env(**overrides) -> dict:
             **{k: str(v) for k, v in overrides.items()}}
 
 
+# The model settings a test gives its workers are the installation's: the test process, which
+# resumes tasks and previews them as the web would, reads the same (a resume compares the model
+# a task ran on with the one configured now: engine/compat.py).
+SHARED_MODEL_SETTINGS = ("LLM_BASE_URL", "LLM_API_KEY", "LLM_MODEL")
+
+
+def share_model_settings(settings, env: dict) -> None:
+    for name in SHARED_MODEL_SETTINGS:
+        if name in env:
+            setattr(settings, name, str(env[name]))
+
+
 @pytest.fixture
-def start_workers(transactional_db, tmp_path):
+def start_workers(transactional_db, tmp_path, settings):
     """Start real worker clusters against the test database: start_workers(**env)."""
     clusters = []
 
     def start(count: int = 2, **env_overrides) -> WorkerCluster:
+        share_model_settings(settings, env_overrides)
         cluster = WorkerCluster(process_env(ORCH_WORKERS=count, **env_overrides), tmp_path / f"cluster-{len(clusters)}.log")
         clusters.append(cluster)
         return cluster

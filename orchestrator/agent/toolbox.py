@@ -33,6 +33,7 @@ from ..tools.base import OutcomeUnknown, ToolError
 from ..tools.dbread import read_only_query
 from . import memory, tooldef
 from .tooldef import IDEMPOTENT, KEYED, NON_IDEMPOTENT, READ_ONLY, AgentTool, ToolCall, builtin_read
+from ..primitives.errors import HarnessError
 
 __all__ = ["AgentTool", "READ_ONLY", "IDEMPOTENT", "KEYED", "NON_IDEMPOTENT", "TOOLS", "add_source", "find_tool",
            "known_names", "needs_approval", "call", "as_message_text", "ToolCallError"]
@@ -273,11 +274,11 @@ def needs_approval(name: str, arguments: dict | None, *, require: list[str], wai
     return ""
 
 
-class ToolCallError(Exception):
+class ToolCallError(HarnessError):
     """The call could not do what it was asked; the message goes back to the model."""
 
 
-class ReplayWithKey(RuntimeError):
+class ReplayWithKey(HarnessError, RuntimeError):
     """An idempotent or keyed call's outcome is unknown: its step fails, to run again and replay
     the call with its key (the runner's retries)."""
 

@@ -40,6 +40,7 @@ from ..models import EffectClass
 from ..primitives.cancellation import CancellationToken, Cancelled
 from ..primitives.faults import fault_point_for_key
 from ..tools.base import PROBE_TIMEOUT_SECONDS, OutcomeUnknown, ProbeResult, Tool, ToolError, register
+from ..primitives.errors import HarnessError
 
 READ_ONLY, IDEMPOTENT, KEYED, NON_IDEMPOTENT = (EffectClass.READ_ONLY.value, EffectClass.IDEMPOTENT.value,
                                                 EffectClass.KEYED.value, EffectClass.NON_IDEMPOTENT.value)
@@ -51,7 +52,7 @@ TIMEOUT_GRACE_SECONDS = 1.0
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-class InvalidArguments(ValueError):
+class InvalidArguments(HarnessError, ValueError):
     """The model's arguments do not fit the tool's schema (the message names each problem)."""
 
 

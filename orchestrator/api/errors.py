@@ -11,21 +11,22 @@ from ..database_busy import RETRY_AFTER_SECONDS, busy_message, is_database_busy,
 from ..engine.states import InvalidTransition
 from ..primitives.jsonlimits import TooDeep
 from review import services as review_services
+from ..primitives.errors import HarnessError
 
 
-class NotAuthenticated(Exception):
+class NotAuthenticated(HarnessError):
     """401: no credentials, or a bearer token that authenticates nobody (the message says why)."""
 
 
-class CsrfFailed(Exception):
+class CsrfFailed(HarnessError):
     pass
 
 
-class Forbidden(Exception):
+class Forbidden(HarnessError):
     pass
 
 
-class NotFound(Exception):
+class NotFound(HarnessError):
     pass
 
 

@@ -26,6 +26,7 @@ from django.db import transaction
 from django.dispatch import Signal
 
 from ..conf import harness
+from ..primitives.errors import HarnessError
 
 approval_requested = Signal()
 # Sent by every sweep: the review queue applies the fallback of approvals past their deadline.
@@ -55,7 +56,7 @@ class Policy:
                 "approvers": max(1, min(2, int(self.approvers)))}
 
 
-class ApprovalMismatch(Exception):
+class ApprovalMismatch(HarnessError):
     """A decision that does not bind to the call that waits (another call, other arguments)."""
 
 

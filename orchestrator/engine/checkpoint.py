@@ -35,17 +35,18 @@ from .events import NOTIFY_CHANNEL, create_event, cross_process_layer, publish_h
 from ..primitives.faults import armed as armed_faults, fault_point
 from .inbox import INBOX_ADDER
 from .lease import Lease, LeaseLost, lock_fenced
+from ..primitives.errors import HarnessError
 
 log = logging.getLogger(__name__)
 
 FINISHED = (StepStatus.DONE, StepStatus.SKIPPED)
 
 
-class InvalidPlanGrowth(ValueError):
+class InvalidPlanGrowth(HarnessError, ValueError):
     """A step tried to add steps that cannot join the plan (a duplicate id, an unknown dependency)."""
 
 
-class CheckpointDiverged(Exception):
+class CheckpointDiverged(HarnessError):
     """The database is not at the checkpoint version this run built on, though the run still
     holds the lease: the server lost commits it had acknowledged (it crashed with pure-step
     commits not yet flushed, see the module docstring). The run must start again from what

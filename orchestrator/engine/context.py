@@ -12,6 +12,7 @@ from django.db import transaction
 from django.utils import timezone
 from pydantic import BaseModel
 
+from ..primitives.errors import HarnessError, StepSignal
 from .. import telemetry
 from ..tools.http import http_call
 from ..tools.llm import stream_completion
@@ -23,7 +24,7 @@ from .events import append_event
 from .lease import lock_fenced
 
 
-class LimitExceeded(Exception):
+class LimitExceeded(StepSignal):
     """A task limit ran out inside a step: the task pauses with this reason, keeping its work."""
 
     def __init__(self, limit: str, detail: str = ""):
@@ -32,7 +33,7 @@ class LimitExceeded(Exception):
         self.limit, self.detail = limit, detail
 
 
-class StepTimedOut(TimeoutError):
+class StepTimedOut(HarnessError, TimeoutError):
     """The step ran past its timeout (StepSpec.timeout) and was cancelled: a failed attempt."""
 
     def __init__(self, step_id: str, seconds: float):
@@ -56,7 +57,7 @@ def replay_safe(tool_name: str, args: dict) -> bool:
         return False
 
 
-class WaitForEvent(Exception):
+class WaitForEvent(StepSignal):
     """Raised by ctx.wait_for when the event has not arrived: the runner parks the task in
     `waiting` (no worker held) until it does or the deadline passes; the step runs again then."""
 
@@ -67,7 +68,7 @@ class WaitForEvent(Exception):
         self.event_type, self.until, self.match = event_type, until, dict(match or {})
 
 
-class WaitTimedOut(TimeoutError):
+class WaitTimedOut(HarnessError, TimeoutError):
     """ctx.wait_for's deadline passed before the event came (the step may catch it)."""
 
 

@@ -49,6 +49,7 @@ from ..tasktypes import get_type
 from . import scheduler, states
 from .audit import audit
 from .events import append_event
+from ..primitives.errors import HarnessError
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ REGISTRY: dict[str, EventType] = {t.name: t for t in (
 )}
 
 
-class InboxRefused(Exception):
+class InboxRefused(HarnessError):
     """An event the inbox does not take; `status` is the HTTP status that says why."""
 
     def __init__(self, status: int, message: str, *, field: str = "", retry_after: int | None = None,

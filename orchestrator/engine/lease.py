@@ -17,13 +17,14 @@ from django.db.models import Q
 from django.utils import timezone
 
 from ..conf import harness
+from ..primitives.errors import StepSignal
 from ..models import Task, TaskStatus as S
 from . import states
 
 log = logging.getLogger(__name__)
 
 
-class LeaseLost(Exception):
+class LeaseLost(StepSignal):
     """This worker's lease epoch is stale: another worker owns the task now."""
 
 

@@ -36,6 +36,7 @@ from .lease import Lease, LeaseLost
 from .wal import AmbiguousEffect, EffectFailed
 from .events import append_event
 from .preemption import top_finished
+from ..primitives.errors import HarnessError
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ PAUSE_CUT = "pause grace over"  # ... of a step cut by a Pause after its grace (
 LIMIT_CUT = "limit: "  # + the limit: ... of a step cut by a limit running out (runs again on resume)
 
 
-class UpstreamFailure(Exception):
+class UpstreamFailure(HarnessError):
     """A step's failure reported from outside the task (a P2 unit.failed event)."""
 
 RETRY_BACKOFF_BASE_SECONDS = 0.5

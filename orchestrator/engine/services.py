@@ -16,6 +16,7 @@ from .audit import audit
 from .events import append_event
 from .checkpoint import plan_from, plan_rows, skip_steps, snapshot_now
 from . import compat
+from ..primitives.errors import HarnessError
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class FieldError:
     message: str
 
 
-class InvalidInput(Exception):
+class InvalidInput(HarnessError):
     """Input that cannot be accepted; `errors` name each field and what is wrong."""
 
     def __init__(self, errors: list[FieldError]):

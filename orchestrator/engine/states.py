@@ -10,6 +10,7 @@ from ..models import AuditEntry, InboundEvent, InboundState, Task, TaskStatus as
 from ..notifications import notify_needs_human
 from . import approvals
 from .events import append_event
+from ..primitives.errors import HarnessError
 
 TERMINAL = frozenset({S.COMPLETED, S.FAILED, S.STOPPED, S.TERMINATED})
 ACTIVE = frozenset({S.RUNNING, S.PAUSING, S.STOPPING})
@@ -36,7 +37,7 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 }
 
 
-class InvalidTransition(Exception):
+class InvalidTransition(HarnessError):
     """Refused state change; the message says why, for an operator to read (HTTP 409)."""
 
     def __init__(self, task: Task, to: str, why: str = ""):

@@ -43,6 +43,7 @@ from django.db.backends.utils import CursorWrapper
 from django.dispatch import Signal
 from django.utils import timezone
 
+from ..primitives.errors import HarnessError, StepSignal
 from .. import telemetry
 from ..models import IdempotencyRecord, Task, WalEntry, WalStatus
 from ..tools.base import OutcomeUnknown, ProbeResult, ToolError, get_tool
@@ -53,7 +54,7 @@ from .lease import Lease, LeaseLost, bump_fenced
 log = logging.getLogger(__name__)
 
 
-class AmbiguousEffect(Exception):
+class AmbiguousEffect(StepSignal):
     """A non-idempotent effect may or may not have happened: a human must decide.
 
     `reason` says why nobody knows (for the review item); `evidence` is what the tool saw."""
@@ -67,7 +68,7 @@ class AmbiguousEffect(Exception):
         self.evidence = evidence or {}
 
 
-class EffectFailed(Exception):
+class EffectFailed(HarnessError):
     """The tool reported a failure; the WAL entry is (or will be) marked failed."""
 
     def __init__(self, entry_id: int, error: Exception):

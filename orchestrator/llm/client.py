@@ -61,6 +61,7 @@ from .results import (
     function_tool,
     tool_result_message,
 )
+from ..primitives.errors import HarnessError
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ logger = logging.getLogger(__name__)
 _LEGACY_TOKEN_PARAMETER_SERVERS: set[str] = set()
 _LEGACY_LOCK = threading.Lock()
 
-class LLMError(Exception):
+class LLMError(HarnessError):
     """A model call that did not produce a complete answer. `partial` is what had arrived
     (a Completion flagged stream_cut/cancelled), when anything had."""
 

@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError, field_validator
 
 from .client import LLMClient, RetryPolicy, Usage
+from ..primitives.errors import HarnessError
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,59}$")  # ModelProfile.name holds 60
 PER_MILLION = Decimal(1_000_000)
@@ -41,11 +42,11 @@ SOURCE_SETTINGS = "LLM_MODELS"
 SOURCE_ADMIN = "admin"
 
 
-class ModelsConfigError(ValueError):
+class ModelsConfigError(HarnessError, ValueError):
     """LLM_MODELS cannot be read; the message names the profile and the field."""
 
 
-class ProfileUnavailable(ValueError):
+class ProfileUnavailable(HarnessError, ValueError):
     """A task asked for a profile that exists but may not be used (disabled in the admin)."""
 
 

@@ -9,9 +9,10 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from .errors import HarnessError
 
 
-class Cancelled(Exception):
+class Cancelled(HarnessError):
     """Raised inside step code when its token is cancelled."""
 
     def __init__(self, reason: str):

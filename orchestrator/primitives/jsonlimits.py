@@ -4,11 +4,12 @@ every caller let through as a 500 or a websocket close 1011; and a payload a lit
 that parses, is stored, then breaks whatever renders it recursively (the task page's
 indented JSON). Real events nest a few levels; MAX_DEPTH leaves room for more."""
 import json
+from .errors import HarnessError
 
 MAX_DEPTH = 64
 
 
-class TooDeep(ValueError):
+class TooDeep(HarnessError, ValueError):
     def __init__(self, limit: int = MAX_DEPTH):
         super().__init__(f"the JSON is nested more than {limit} levels deep: send a flatter document")
 

@@ -4,6 +4,7 @@ import importlib
 
 from .. import extensions
 from ..conf import harness
+from ..primitives.errors import HarnessError
 from .base import StepSpec, TaskType
 
 # The built-in type; the demo's (demo/) and an installation's come in as extensions.
@@ -12,8 +13,8 @@ TASK_TYPE_MODULES = [
 ]
 
 
-class UnknownTaskType(LookupError):
-    pass
+class UnknownTaskType(HarnessError, LookupError):
+    """No task type has this name (is its module in ORCH_EXTENSIONS?)."""
 
 
 _registry: dict[str, TaskType] = {}

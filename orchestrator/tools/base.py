@@ -5,9 +5,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..primitives.cancellation import CancellationToken
+from ..primitives.errors import HarnessError
 
 
-class ToolError(Exception):
+class ToolError(HarnessError):
     """The effect was *not performed*: the tool knows nothing reached the other side, or the
     other side refused before accepting anything (connection refused, DNS failure, an SMTP
     4xx/5xx to MAIL/RCPT/DATA, an HTTP response with an error status). Safe to retry."""
@@ -16,7 +17,7 @@ class ToolError(Exception):
 NotPerformed = ToolError
 
 
-class OutcomeUnknown(Exception):
+class OutcomeUnknown(HarnessError):
     """The request may have reached the other side and its answer never came (a timeout or
     reset after sending, a disconnect after SMTP DATA, cancellation while in flight).
     A non-idempotent effect in this state goes to review; nobody guesses.

@@ -34,6 +34,7 @@ from django.core.signals import setting_changed
 from django.db import DatabaseError
 
 from .base import Tool, ToolError, register
+from ..primitives.errors import HarnessError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class ServerConfig:
         return dict(self.tool_effects).get(tool)
 
 
-class ConfigError(ValueError):
+class ConfigError(HarnessError, ValueError):
     pass
 
 

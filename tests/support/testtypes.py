@@ -387,3 +387,43 @@ def starts(path: str) -> list[tuple[str, float]]:
         return []
     with open(path) as log:
         return [(step, float(at)) for step, at in (line.split() for line in log if line.strip())]
+
+
+class SwallowerParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    signal: str = Field(..., pattern="^(wait|effect|limit|lease)$")
+    url: str = ""
+    marker: str = ""  # a file the careless code writes once it swallowed what it caught
+
+
+@register
+class Swallower(TaskType):
+    """One step that wraps what raises a harness signal in `except Exception`, as careless step
+    code does: the signal must reach the runner all the same (primitives/errors.py StepSignal)."""
+
+    name = "test.swallower"
+    Params = SwallowerParams
+    awaited_event_types = ("instruction",)
+
+    def plan(self, params):
+        return [StepSpec("careless")]
+
+    def run_step(self, ctx, step_id):
+        try:
+            if ctx.params.signal == "wait":
+                return {"got": ctx.wait_for("instruction")}
+            if ctx.params.signal == "effect":  # a plain POST the server reads and never answers
+                return ctx.effect("http.request", {"method": "POST", "url": ctx.params.url, "json": {}, "timeout": 1})
+            if ctx.params.signal == "limit":  # max_subtasks is 1: the second one is over the limit
+                first = ctx.spawn(lambda sub: sub.sleep(5) or 1)
+                second = ctx.spawn(lambda sub: 2)  # the first still runs
+                return first.result() + second.result()
+            from orchestrator.models import Task
+            Task.objects.filter(pk=ctx.task_id).update(lease_epoch=ctx.lease.epoch + 1)  # another worker took it
+            return ctx.effect("db.upsert", {"table": "demo_destination", "columns": ["id", "amount"],
+                                            "rows": [[800_000 + ctx.task_id, "1.0000"]]})
+        except Exception as exc:  # noqa: BLE001 (the carelessness under test)
+            if ctx.params.marker:  # ... and goes on acting on the world
+                with open(ctx.params.marker, "w") as marker:
+                    marker.write(f"{type(exc).__name__}: {exc}")
+            return {"swallowed": f"{type(exc).__name__}: {exc}"}
