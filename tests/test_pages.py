@@ -469,3 +469,61 @@ def test_a_waiting_task_shows_what_it_waits_for_and_until_when(client, operator,
     body = client.get(detail_url(task.pk)).content.decode()
     card = body.split('data-testid="waiting-card"', 1)[1].split("</div>\n  </div>", 1)[0]
     assert "Waiting (no worker held)" in card and "instruction" in card and "until 20" in card
+
+
+# --- the task page's sections (issue 24, item 6) ------------------------------------------
+
+def tabs_of(body: str) -> list[str]:
+    tablist = body.split('id="task-tabs"', 1)[1].split("</div>", 1)[0]
+    return [part.split('"', 1)[0] for part in tablist.split('data-tab="')[1:]]
+
+
+@pytest.mark.django_db
+def test_the_task_page_groups_its_panels_into_tabs_and_leaves_out_what_does_not_apply(client, viewer, task):
+    """A non-agent task has no Conversation tab (nor an Inbox one when its type takes no events
+    and nothing was sent); a finished task has no heartbeat or lease panel. Every panel is in
+    the page, each with its regions, for the live updates; the header is outside the panels."""
+    from django.utils import timezone
+
+    Task.objects.filter(pk=task.pk).update(status="running", heartbeat_at=timezone.now(), lease_owner="w:1")
+    client.force_login(viewer)
+    body = client.get(detail_url(task.pk)).content.decode()
+    assert tabs_of(body) == ["overview", "steps", "effects", "history"]
+    assert 'role="tablist"' in body and 'aria-controls="panel-steps"' in body
+    for panel in ("overview", "conversation", "steps", "effects", "inbox", "history"):
+        assert f'id="panel-{panel}"' in body and 'role="tabpanel"' in body
+    panels = body.split('id="panel-overview"', 1)[1]
+    for region in ("task-cards", "task-timeline", "task-steps", "task-reviews", "task-wal", "task-inbox",
+                   "task-history", "event-rows"):
+        assert f'id="{region}"' in panels, region
+    assert 'id="task-summary"' not in panels and 'id="task-controls"' not in panels
+    assert 'data-testid="worker-card"' in body and 'data-testid="heartbeat-age"' in body
+
+    Task.objects.filter(pk=task.pk).update(status="completed", lease_owner="")
+    body = client.get(detail_url(task.pk)).content.decode()
+    assert 'data-testid="worker-card"' not in body and 'data-testid="heartbeat-age"' not in body
+    assert "Heartbeat" not in body and "Lease" not in body
+
+    agent = services.task_create(type="agent.plan_execute", params={"goal": "say hello", "tools": []})
+    body = client.get(detail_url(agent.pk)).content.decode()
+    # An agent takes messages: its inbox has a tab before anything was sent.
+    assert tabs_of(body) == ["overview", "conversation", "steps", "effects", "inbox", "history"]
+
+
+@pytest.mark.django_db
+def test_the_tabs_count_open_reviews_and_pending_inbox_events(client, operator, task):
+    from orchestrator.engine import approvals
+
+    agent = services.task_create(type="agent.plan_execute", params={"goal": "say hello", "tools": []})
+    approval_id = approvals.request(task_id=agent.pk, step_id="tool-006-1", tool="email_send", call_id="c1",
+                                    arguments={"to": "ops@example.org"})
+    Task.objects.filter(pk=agent.pk).update(inbox_pending=2)
+    client.force_login(operator)
+    body = client.get(detail_url(agent.pk)).content.decode()
+    tablist = body.split('id="task-tabs"', 1)[1].split("</div>", 1)[0]
+    effects = tablist.split('data-tab="effects"', 1)[1].split("</button>", 1)[0]
+    assert 'class="count count-alert"' in effects and ">1</span>" in effects
+    inbox_tab = tablist.split('data-tab="inbox"', 1)[1].split("</button>", 1)[0]
+    assert ">2</span>" in inbox_tab
+    reviews = body.split('id="task-reviews"', 1)[1].split("</section>", 1)[0]
+    assert f'href="/review/{approval_id}/"' in reviews and 'data-status="open"' in reviews

@@ -11,16 +11,21 @@ from ..models import Task, TaskEvent
 from .task_page import task_page_context, with_payload_json, with_type_titles
 
 # The task page's regions that change while a task runs: (element id, partial). The page
-# (templates/orchestrator/task_detail.html) includes each of these partials once.
+# (templates/orchestrator/task_detail.html) includes each of these partials once: the header's
+# above the tabs, the others in the tab panels (comments say which), every panel in the page
+# whichever tab is selected, so a region in a hidden panel is updated too.
 TASK_PAGE_REGIONS = (
     ("task-summary", "orchestrator/task/_summary.html"),
     ("task-controls", "orchestrator/task/_controls.html"),
-    ("task-cards", "orchestrator/task/_cards.html"),
-    ("task-conversation", "orchestrator/task/_conversation.html"),
-    ("task-timeline", "orchestrator/task/_timeline.html"),
+    ("task-tabs", "orchestrator/task/_tabs.html"),  # the tabs: which apply, their counts
+    ("task-cards", "orchestrator/task/_cards.html"),  # overview
+    ("task-conversation", "orchestrator/task/_conversation.html"),  # conversation
+    ("task-timeline", "orchestrator/task/_timeline.html"),  # steps & timeline
     ("task-steps", "orchestrator/task/_steps.html"),
+    ("task-reviews", "orchestrator/task/_reviews.html"),  # effects & reviews
     ("task-wal", "orchestrator/task/_wal.html"),
-    ("task-history", "orchestrator/task/_history.html"),
+    ("task-inbox", "orchestrator/task/_inbox.html"),  # inbox
+    ("task-history", "orchestrator/task/_history.html"),  # history
     ("events-summary", "orchestrator/task/_events_summary.html"),
 )
 EVENT_ROWS_TARGET = "event-rows"  # the events table's tbody; rows are only ever added

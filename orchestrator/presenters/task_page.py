@@ -33,6 +33,7 @@ EVENTS_SHOWN = 200
 AUDIT_SHOWN = 500
 INBOX_SHOWN = 50
 SNAPSHOTS_SHOWN = 20  # the newest kept versions (a long run keeps up to ORCH_SNAPSHOT_FULL_EVERY more)
+REVIEWS_SHOWN = 50  # the task's review items and approvals on its page, open ones first
 
 # The page's clock (heartbeat age, a running step's bar): one call per render, so every
 # region of one render agrees; tests replace it to compare renders made at different times.
@@ -81,6 +82,10 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
                   for e in task.events.filter(kind="recovery").order_by("seq")]
     verdicts = task_actions.available(task, user)
     heartbeat_age = (now - task.heartbeat_at).total_seconds() if task.heartbeat_at else None
+    dialog = conversation(task)
+    inbox_rows = list(task.inbox.order_by("-seq")[:INBOX_SHOWN])
+    reviews = review_items(task)
+    steps_total = task.steps.count()
     return {
         "task": task,
         "type_title": type_title(task.type),
@@ -88,7 +93,7 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
         "limits": sorted(redact(task.limits).items()) if isinstance(task.limits, dict) else [],
         "heartbeat_age": heartbeat_age,
         "steps": steps,
-        "steps_total": task.steps.count(),
+        "steps_total": steps_total,
         "timeline": step_timeline(steps, recoveries=recoveries, now=now),
         "wal": wal,
         "wal_total": task.wal_entries.count(),
@@ -98,9 +103,10 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
         "events_shown": EVENTS_SHOWN,
         "audit": [redact_fields(entry, "reason")
                   for entry in task.audit_entries.select_related("actor").all()[:AUDIT_SHOWN]],
-        "inbox": list(task.inbox.order_by("-seq")[:INBOX_SHOWN]),
+        "inbox": inbox_rows,
+        "reviews": reviews,
         "stack_top_first": list(reversed(task.stack or [])),
-        "conversation": conversation(task),
+        "conversation": dialog,
         "conversation_cost": conversation_cost(task),
         "sendable_types": sendable_types(task),
         # The same id until the inbox moves on: a double click sends one event (the inbox
@@ -115,7 +121,72 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
         # What changed in the type's code since the task paused (engine/compat.py), beside Resume.
         "compatibility": compat.for_page(task) if verdicts["resume"].allowed or verdicts["edit"].allowed else None,
         "is_terminal": task.status in states.TERMINAL,
+        # A finished task holds no worker: no heartbeat or lease to read.
+        "show_worker": task.status not in states.TERMINAL,
+        "sections": page_sections(task, dialog=dialog, inbox_rows=inbox_rows, reviews=reviews,
+                                  steps_total=steps_total),
     }
+
+
+# The task page's tabs, in order: (key, label). The key is the tab's URL hash (/tasks/12/#effects)
+# and names its panel (templates/orchestrator/task_detail.html); the regions each panel holds
+# are in presenters/fragments.py.
+SECTIONS = (
+    ("overview", "Overview"),
+    ("conversation", "Conversation"),
+    ("steps", "Steps & timeline"),
+    ("effects", "Effects & reviews"),
+    ("inbox", "Inbox"),
+    ("history", "History"),
+)
+
+
+def is_agent(task: Task) -> bool:
+    """An agent task (a dialog with a model): its page has a Conversation tab."""
+    from ..tasktypes.agent import PlanExecuteAgent
+
+    return isinstance(all_types().get(task.type), PlanExecuteAgent) or task.agent_messages.exists()
+
+
+def takes_events(task: Task) -> bool:
+    """The task's type handles events of its own (a message, an awaited event, a subtask): its
+    page offers the inbox even while it is empty. Every task takes the controls and the
+    information types; those alone do not make an inbox worth a tab."""
+    found = all_types().get(task.type)
+    return found is not None and bool(getattr(found, "event_types", ()) or getattr(found, "awaited_event_types", ())
+                                      or getattr(found, "subtasks", None))
+
+
+def page_sections(task: Task, *, dialog, inbox_rows, reviews, steps_total: int) -> list[dict]:
+    """The tabs the page shows: each with its key, label, count badge (None: no badge) and
+    whether the badge asks for attention. Tabs that do not apply are left out: the
+    conversation for a task that is not an agent, the inbox when the type takes no events
+    and nothing was sent. Decided here, for the first page and every live update alike."""
+    open_reviews = sum(1 for item in reviews if item.status == "open")
+    counts = {
+        "conversation": (len(dialog) if dialog is not None else 0, False),
+        "steps": (steps_total, False),
+        "effects": (open_reviews, open_reviews > 0) if open_reviews else (None, False),
+        "inbox": (task.inbox_pending, True) if task.inbox_pending else (None, False),
+    }
+    shown = {
+        "conversation": dialog is not None or is_agent(task),
+        "inbox": bool(inbox_rows) or task.inbox_pending > 0 or takes_events(task),
+    }
+    titles = {"effects": "open reviews and approvals", "inbox": "pending events",
+              "steps": "steps", "conversation": "messages"}
+    return [{"key": key, "label": label, "count": counts.get(key, (None, False))[0],
+             "alert": counts.get(key, (None, False))[1], "count_title": titles.get(key, "")}
+            for key, label in SECTIONS if shown.get(key, True)]
+
+
+def review_items(task: Task) -> list:
+    """The task's review items and approvals, open ones first (each links to its page in the
+    review queue)."""
+    items = list(task.review_items.select_related("wal_entry").order_by("-detected_at", "-id")[:REVIEWS_SHOWN])
+    for item in items:
+        redact_fields(item, "reason")
+    return sorted(items, key=lambda item: item.status != "open")
 
 
 CONVERSATION_SHOWN = 200

@@ -7,7 +7,8 @@
  * only swaps them in; it builds no markup and decides nothing about what a page shows.
  * What is left here is what only a browser can do: the connection indicator, reconnecting
  * with the last event seq seen, the outage banner, keeping what the user is typing across
- * a swap, and counting the heartbeat age up between updates.
+ * a swap, counting the heartbeat age up between updates, and selecting the task page's tab
+ * (the server decides which tabs there are).
  *
  * The task page (`[data-live-task]`): /ws/tasks/<id>/?resume_from=<last seq seen>. Each
  * `event` (seq n) carries the fragment that adds its row; it is applied once, in seq order
@@ -75,14 +76,99 @@
       var replacement = template.content.firstElementChild;
       if (!replacement) return;
       var refocus = keepUserInput(target, replacement);
+      // A focused element with an id (a tab) keeps the focus across the swap.
+      var focusedId = document.activeElement && target.contains(document.activeElement) ? document.activeElement.id : "";
       target.parentNode.replaceChild(replacement, target);
+      if (!refocus && focusedId) refocus = document.getElementById(focusedId);
       if (refocus) refocus.focus();
     }
   }
 
   function applyFragments(fragments) {
     (fragments || []).forEach(swap);
+    if (selectedTab) selectTab(selectedTab);  // a swapped tablist comes as the server renders it
     tickHeartbeat();
+  }
+
+  // --- the task page's tabs ----------------------------------------------------------------
+  // The server renders the tablist (task/_tabs.html: which sections apply, their counts; a
+  // live region) and every panel, a hidden one too (its regions keep receiving updates).
+  // This only selects one: from the URL hash (#effects, or the id of an element inside a
+  // panel, e.g. #task-inbox), on a click, or with the arrow keys, Home and End; the selection
+  // goes into the hash, so a reload or a shared link opens the same tab, and into the forms
+  // the page posts, so a control's redirect comes back to it.
+  var selectedTab = null;
+
+  function tabs() { return qsa('#task-tabs [role="tab"]'); }
+  function tabKey(tab) { return tab.getAttribute("data-tab"); }
+
+  function tabFromHash() {
+    var hash = window.location.hash.replace(/^#/, "");
+    try { hash = decodeURIComponent(hash); } catch (err) { return null; }
+    if (!hash) return null;
+    if (tabs().some(function (tab) { return tabKey(tab) === hash; })) return hash;
+    var target = document.getElementById(hash);
+    var panel = target && target.closest("[data-tab-panel]");
+    return panel ? panel.getAttribute("data-tab-panel") : null;
+  }
+
+  function selectTab(key, options) {
+    options = options || {};
+    var all = tabs();
+    if (!all.length) return;
+    if (!all.some(function (tab) { return tabKey(tab) === key; })) key = tabKey(all[0]);  // no longer applies
+    selectedTab = key;
+    all.forEach(function (tab) {
+      var on = tabKey(tab) === key;
+      if (tab.getAttribute("aria-selected") !== String(on)) tab.setAttribute("aria-selected", String(on));
+      tab.tabIndex = on ? 0 : -1;
+      if (on && options.focus) tab.focus();
+    });
+    qsa("[data-tab-panel]").forEach(function (panel) {
+      var hidden = panel.getAttribute("data-tab-panel") !== key;
+      if (panel.hidden !== hidden) panel.hidden = hidden;
+    });
+    if (options.record && window.history && window.history.replaceState) {
+      window.history.replaceState(window.history.state, "", window.location.pathname + window.location.search + "#" + key);
+    }
+  }
+
+  function followHash() {
+    var key = tabFromHash();
+    if (!key) return;
+    selectTab(key);
+    var hash = window.location.hash.slice(1);
+    var target = hash && hash !== key ? document.getElementById(hash) : null;
+    if (target) target.scrollIntoView();  // shown only now: the browser could not scroll to it
+  }
+
+  function initTabs() {
+    selectTab(tabFromHash() || tabKey(tabs()[0]));
+    followHash();
+    window.addEventListener("hashchange", followHash);
+    document.addEventListener("click", function (event) {
+      var tab = event.target.closest && event.target.closest('#task-tabs [role="tab"]');
+      if (tab) selectTab(tabKey(tab), {record: true});
+    });
+    document.addEventListener("keydown", function (event) {
+      var tab = event.target.closest && event.target.closest('#task-tabs [role="tab"]');
+      if (!tab) return;
+      var all = tabs().filter(function (t) { return !t.hidden; });
+      var at = all.indexOf(tab);
+      var next = {ArrowRight: at + 1, ArrowLeft: at - 1, Home: 0, End: all.length - 1}[event.key];
+      if (next === undefined) return;
+      event.preventDefault();
+      next = (next + all.length) % all.length;
+      selectTab(tabKey(all[next]), {record: true, focus: true});
+    });
+    // A form posted from this page comes back to the selected tab: a redirect without a
+    // fragment keeps the one of the URL it was posted to.
+    document.addEventListener("submit", function (event) {
+      var form = event.target;
+      if (!(form instanceof HTMLFormElement) || !selectedTab || (form.method || "").toLowerCase() !== "post") return;
+      var action = form.getAttribute("action") || "";
+      if (action.indexOf("#") < 0) form.setAttribute("action", action + "#" + selectedTab);
+    });
   }
 
   // The heartbeat age as rendered (data-age), counted up since it arrived.
@@ -238,6 +324,7 @@
   }
 
   function init() {
+    if (qs("#task-tabs")) initTabs();
     if (!("WebSocket" in window)) return;
     var list = qs("[data-live-list]");
     if (list) initList(list);

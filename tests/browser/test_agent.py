@@ -1,6 +1,6 @@
 """Watching an agent in a real Chromium: its answer streams into the Conversation panel; the
-operator pauses it mid-stream, sends it a message, resumes it, and it answers with the
-message in view."""
+operator pauses it mid-stream, sends it a message (from the Inbox tab), resumes it, and it
+answers with the message in view."""
 
 import pytest
 from playwright.sync_api import expect
@@ -20,7 +20,7 @@ def test_operator_watches_an_agent_stream_pauses_it_sends_a_message_and_resumes(
     with StandinServer(token_seconds=0.0005) as model:
         task = services.task_create(type="agent.plan_execute", params={"goal": GOAL, "tools": []})
         page = new_page("olga")
-        page.goto(f"/tasks/{task.pk}/")
+        page.goto(f"/tasks/{task.pk}/#conversation")  # the Conversation tab
         stack.start_workers(1, LLM_BASE_URL=model.base_url, LLM_API_KEY="standin",
                             LLM_MODEL="standin-planner+slow=0.1")
         streaming = page.locator('[data-testid="dialog-message"][data-streaming="true"]')
@@ -31,6 +31,7 @@ def test_operator_watches_an_agent_stream_pauses_it_sends_a_message_and_resumes(
         partial = page.locator('[data-testid="dialog-message"][data-role="assistant"]').filter(
             has=page.get_by_test_id("interrupted"))
         expect(partial).to_have_count(1)
+        page.get_by_test_id("tab-inbox").click()  # the send form is the Inbox tab's
         page.get_by_test_id("send-type").select_option("user.message")
         page.get_by_test_id("send-text").fill("Answer in one sentence, please")
         page.get_by_test_id("btn-send-event").click()

@@ -250,11 +250,13 @@ def test_operator_preempts_a_contracts_batch_from_the_task_page_and_it_continues
     page.goto(f"/tasks/{task.pk}/")
     stack.start_workers(1)
     expect(page.locator('[data-live="steps"]')).to_have_text("8 / 21", timeout=LIVE)
+    page.get_by_test_id("tab-inbox").click()  # the send form is the Inbox tab's
     page.get_by_test_id("send-type").select_option("preempt")
     page.locator('form[data-testid="send-event-form"] input[name="payload"]').fill(
         '{"subtask": "reparse", "args": {"contract": 5, "extractor": "strict"}, "reason": "strict re-parse first"}')
     page.get_by_test_id("btn-send-event").click()
     expect(page.get_by_test_id("message")).to_contain_text("(preempt, P0) sent")
+    page.get_by_test_id("tab-overview").click()  # the stack card is the Overview's
     frame = page.get_by_test_id("stack-frame")
     expect(frame).to_be_visible(timeout=30_000)
     expect(frame).to_contain_text("reparse: strict re-parse first")

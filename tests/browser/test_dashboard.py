@@ -227,7 +227,7 @@ def test_update_screenshots(stack, new_page, make_user):
     page.screenshot(path=str(ROOT / "docs" / "screenshot-tasks.png"))
 
     page.set_viewport_size({"width": 1280, "height": 960})  # down to the steps table
-    page.goto(f"/tasks/{running.pk}/")
+    page.goto(f"/tasks/{running.pk}/#steps")  # the Steps & timeline tab
     expect(page.get_by_test_id("live-indicator")).to_have_text("live")
     expect(page.locator('[data-testid="step-row"][data-status="done"]')).to_have_count(4, timeout=LIVE)
     expect(header_badge(page)).to_have_text("running")

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 # show the same heartbeat age and the same end for a running step's bar. In the past, so
 # that the recovery event (stamped with the real time) comes after the steps.
 NOW = django_timezone.now().replace(microsecond=0) - timedelta(minutes=10)
-REGIONS = ("task-header", "task-cards", "task-timeline", "task-steps", "task-wal", "task-history", "task-events")
+REGIONS = ("task-header", "task-tabs", "task-cards", "task-timeline", "task-steps", "task-reviews", "task-wal",
+           "task-inbox", "task-history", "task-events")
 
 
 def at(seconds: float) -> datetime:
