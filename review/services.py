@@ -154,19 +154,17 @@ def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=
         if decision == Decision.HAPPENED:
             recorded = result if result is not None else get_tool(entry.tool).confirmed_result(
                 entry.args, key=entry.idempotency_key)
-            WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.DONE, result=recorded, completed_at=now)
+            wal.settle(entry.pk, WalStatus.DONE, result=recorded, now=now)
             IdempotencyRecord.objects.get_or_create(key=entry.idempotency_key,
                                                     defaults={"tool": entry.tool, "result": recorded})
         elif decision == Decision.NOT_HAPPENED:
             # `failed` means "did not happen": the step performs it again with the same key
             # (if the task goes on: an ended one does not).
-            WalEntry.objects.filter(pk=entry.pk).update(
-                status=WalStatus.FAILED, completed_at=now,
-                error=f"reviewer: did not happen ({note.strip()[:200]})"
-                      + (f"; the task had {task.status}: not performed again" if ended else ""))
+            wal.settle(entry.pk, WalStatus.FAILED, now=now,
+                       error=f"reviewer: did not happen ({note.strip()[:200]})"
+                             + (f"; the task had {task.status}: not performed again" if ended else ""))
         elif decision == Decision.SKIP:
-            WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.SKIPPED, completed_at=now,
-                                                        error=f"reviewer: skipped ({note.strip()[:200]})")
+            wal.settle(entry.pk, WalStatus.SKIPPED, now=now, error=f"reviewer: skipped ({note.strip()[:200]})")
         _close(item, decision, note, result, actor, now)
         audit(action="review.decide", actor=actor, ip=ip, task=task, reason=note,
               before=before, after={"review": item.pk, "decision": decision, "wal_entry": entry.pk,

@@ -21,7 +21,6 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import F
 from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
@@ -30,7 +29,7 @@ from ..conf import harness
 from ..outage import retry_while_down
 from ..models import (IdempotencyRecord, InboundEvent, InboundState, Snapshot, Step, StepResult, StepStatus, Task,
                       TaskEvent, TaskStatus, WalEntry)
-from . import compat, snapshots, states, wal
+from . import compat, events, inbox, snapshots, states, wal
 from .events import NOTIFY_CHANNEL, create_event, cross_process_layer, publish_hint
 from ..primitives.faults import armed as armed_faults, fault_point
 from .inbox import INBOX_ADDER
@@ -343,7 +342,7 @@ TABLES = {name: model._meta.db_table for name, model in (
 
 _POSTGRESQL_COMMIT = """
 WITH t AS (
-    UPDATE {task} SET checkpoint_version = checkpoint_version + 1, event_seq = event_seq + 1,
+    UPDATE {task} SET checkpoint_version = checkpoint_version + 1, {reserve_seq},
         steps_done = %(steps_done)s, steps_total = steps_total + %(added)s, tokens_used = tokens_used + %(tokens)s,
         active_seconds = active_seconds + %(active)s, heartbeat_at = %(now)s, updated_at = %(now)s
     WHERE id = %(task_id)s AND lease_epoch = %(epoch)s AND lease_owner = %(owner)s
@@ -369,22 +368,13 @@ WITH t AS (
                            'seconds', %(seconds)s::float8),
         %(now)s
     FROM t
-), effects AS (
-    SELECT * FROM jsonb_to_recordset(%(effects)s::jsonb) AS e(id bigint, key text, tool text, result jsonb)
-), w AS (
-    UPDATE {wal} SET status = 'done', result = effects.result, completed_at = %(now)s, error = ''
-    FROM effects WHERE {wal}.id = effects.id AND EXISTS (SELECT 1 FROM t)
-), i AS (
-    INSERT INTO {idempotency} (key, tool, result, created_at)
-    SELECT effects.key, effects.tool, effects.result, %(now)s FROM effects WHERE EXISTS (SELECT 1 FROM t)
-    ON CONFLICT (key) DO NOTHING
-)
+){effects_done}
 SELECT checkpoint_version, event_seq, status, steps_total, tokens_used, active_seconds,
     pg_notify(%(channel)s, %(task_id)s::text || ':' || event_seq || ':' || status || ':' || %(steps_done)s::text
               || ':' || steps_total),
     set_config('synchronous_commit', %(sync)s, true)
 FROM t
-""".format(**TABLES)
+""".format(**TABLES, reserve_seq=events.reserve_sql(), effects_done=wal.done_sql())
 
 ROW_FIELDS = ("checkpoint_version", "event_seq", "status", "steps_total", "tokens_used", "active_seconds")
 
@@ -397,8 +387,7 @@ def _commit_parameters(lease: Lease, plan: PlanState, commit: StepCommit, encode
         "active": commit.active_seconds, "result": encoded_result, "reads": json.dumps(commit.reads),
         "attempts": plan.attempts.get(commit.step_id, 0) + 1, "started_at": commit.started_at,
         "step_id": commit.step_id, "seconds": round((now - commit.started_at).total_seconds(), 3),
-        "effects": json.dumps([{"id": e.entry_id, "key": e.key, "tool": e.tool, "result": e.result}
-                               for e in commit.effects if not e.committed]),
+        "effects": wal.done_parameter(commit.effects),
     }
 
 
@@ -425,7 +414,7 @@ def _commit_statements_sqlite(lease, plan, commit, encoded_result, now) -> dict 
     now, started_at = (connection.ops.adapt_datetimefield_value(value) for value in (now, commit.started_at))
     with connection.cursor() as cursor:
         cursor.execute(
-            f"UPDATE {TABLES['task']} SET checkpoint_version = checkpoint_version + 1, event_seq = event_seq + 1, "
+            f"UPDATE {TABLES['task']} SET checkpoint_version = checkpoint_version + 1, {events.reserve_sql()}, "
             f"steps_done = %s, steps_total = steps_total + %s, tokens_used = tokens_used + %s, "
             f"active_seconds = active_seconds + %s, heartbeat_at = %s, updated_at = %s "
             f"WHERE id = %s AND lease_epoch = %s AND lease_owner = %s AND checkpoint_version = %s "
@@ -463,12 +452,11 @@ def _settle_wait(task_id: int, commit: StepCommit, version: int) -> None:
         if not InboundEvent.objects.filter(pk=event_id, state=InboundState.PENDING).update(
                 state=InboundState.CONSUMED, outcome=outcome, consumed_at=now, consumed_in_version=version):
             raise EventTakenAlready(f"inbox event {event_id} was consumed already; step {commit.step_id} runs again")
-    task = Task.objects.get(pk=task_id)
-    waits = [w for w in task.waiting_for if w.get("step") != commit.step_id]
-    deadlines = [w["until"] for w in waits if w.get("until")]
-    Task.objects.filter(pk=task_id).update(
-        waiting_for=waits, waiting_until=min(deadlines) if deadlines else None,
-        inbox_pending=F("inbox_pending") - len(commit.consumed))
+    task = Task.objects.get(pk=task_id)  # locked by the commit's fenced UPDATE
+    task.waiting_for = [w for w in task.waiting_for if w.get("step") != commit.step_id]
+    deadlines = [w["until"] for w in task.waiting_for if w.get("until")]
+    task.waiting_until = min(deadlines) if deadlines else None
+    task.save(update_fields=["waiting_for", "waiting_until", *inbox.consumed(task, len(commit.consumed))])
 
 
 def additions(plan: PlanState, specs, adder: str) -> list[tuple]:
@@ -540,15 +528,14 @@ def _commit_step_failure(*, lease, plan, step_id, error, retrying, effects, star
     attempts = plan.attempts.get(step_id, 0) + 1
     with transaction.atomic():
         task = lock_fenced(lease)
-        task.event_seq += 1
         task.heartbeat_at = now
-        task.save(update_fields=["event_seq", "heartbeat_at", "updated_at"])
+        seq = events.reserve_locked(task, saving=["heartbeat_at"])
         wal.mark_done(effects)
         status = StepStatus.PENDING if retrying else StepStatus.FAILED
         Step.objects.filter(task=task, step_id=step_id).update(
             status=status, error=error[:10_000], attempts=attempts, reads=reads, started_at=started_at,
             finished_at=now, **({"failure_fingerprint": fingerprint} if fingerprint else {}))
-        create_event(task, task.event_seq, "step_failed", {
+        create_event(task, seq, "step_failed", {
             "step": step_id, "attempt": attempts, "error": error[:500], "retrying": retrying})
     plan.attempts[step_id] = attempts
     plan.set_status(step_id, status)
@@ -591,14 +578,13 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
         Step.objects.bulk_create([step_row(task, spec, i) for i, spec in enumerate(specs)], batch_size=2000)
         task.steps_total = len(specs)
         task.checkpoint_version += 1
-        task.event_seq += 1
-        task.save(update_fields=["steps_total", "checkpoint_version", "event_seq", "updated_at"])
+        seq = events.reserve_locked(task, saving=["steps_total", "checkpoint_version"])
         plan = PlanState()
         for spec in specs:
             plan.add(spec.id, spec.depends_on, on_failure=spec.on_failure, runs_after_skipped=spec.runs_after_skipped)
         plan.version = task.checkpoint_version
         save_snapshot(task, plan.snapshot_state(task), "")
-        create_event(task, task.event_seq, "planned", {"steps": [s.id for s in specs][:200],
+        create_event(task, seq, "planned", {"steps": [s.id for s in specs][:200],
                                                        "steps_total": len(specs)})
         return plan
 
@@ -648,11 +634,10 @@ def skip_steps(task: Task, plan: PlanState, step_id: str, error: str, *, by: str
         Step.objects.filter(task=task, step_id__in=cascade[1:]).update(
             status=StepStatus.SKIPPED, error=f"skipped: depends on {step_id}, which was skipped", finished_at=now)
     task.checkpoint_version += 1
-    task.event_seq += 1
-    task.save(update_fields=["checkpoint_version", "event_seq", "updated_at"])
+    seq = events.reserve_locked(task, saving=["checkpoint_version"])
     snapshots.write_delta(task.pk, task.checkpoint_version,
                           {"steps": {sid: StepStatus.SKIPPED for sid in cascade}, "status": task.status}, step_id)
-    create_event(task, task.event_seq, "step_skipped", {"step": step_id, "by": by, "error": error[:500],
+    create_event(task, seq, "step_skipped", {"step": step_id, "by": by, "error": error[:500],
                                                          "dependants": cascade[1:200], "version": task.checkpoint_version})
     return cascade
 
@@ -679,14 +664,12 @@ def commit_events(*, lease: Lease, plan: PlanState, consumed: list, stack: list 
         added = [addition for event, applied in consumed
                  for addition in additions(plan, applied.add_steps, f"{INBOX_ADDER}{event.seq}")]
         task.checkpoint_version += 1
-        task.event_seq += 1
-        task.inbox_pending -= len(consumed)
         task.steps_total += len(added)
         task.heartbeat_at = now
         if stack is not None:
             task.stack = stack
-        task.save(update_fields=["checkpoint_version", "event_seq", "inbox_pending", "steps_total", "heartbeat_at",
-                                 "stack", "updated_at"])
+        seq = events.reserve_locked(task, saving=["checkpoint_version", *inbox.consumed(task, len(consumed)),
+                                                  "steps_total", "heartbeat_at", "stack"])
         for event, applied in consumed:
             InboundEvent.objects.filter(pk=event.pk).update(state=applied.state, outcome=applied.outcome[:2000],
                                                             consumed_at=now, consumed_in_version=task.checkpoint_version)
@@ -701,7 +684,7 @@ def commit_events(*, lease: Lease, plan: PlanState, consumed: list, stack: list 
         if stack is not None:
             delta["stack"] = stack
         snapshots.write_delta(task.pk, task.checkpoint_version, delta)
-        create_event(task, task.event_seq, "inbox_consumed", {
+        create_event(task, seq, "inbox_consumed", {
             "events": [{"seq": e.seq, "type": e.type, "state": a.state, "outcome": a.outcome[:200]}
                        for e, a in consumed][:50],
             "steps_added": [spec.id for spec, _, _ in added][:200], "version": task.checkpoint_version})

@@ -24,10 +24,34 @@ TASK_LIST_GROUP = "tasks"
 
 def append_event(task: Task, kind: str, payload: dict) -> TaskEvent:
     """Append one event to `task`'s log in the current transaction."""
-    # updated_at moves too: the web process's tailer finds changed tasks by it.
-    Task.objects.filter(pk=task.pk).update(event_seq=F("event_seq") + 1, updated_at=timezone.now())
-    task.event_seq = Task.objects.values_list("event_seq", flat=True).get(pk=task.pk)
+    task.event_seq = reserve(task.pk)
     return create_event(task, task.event_seq, kind, payload)
+
+
+# --- the seq: Task.event_seq is written here and nowhere else (tests/engine/test_one_writer.py) ---
+
+def reserve(task_id: int, n: int = 1) -> int:
+    """Reserve the next `n` seqs of task `task_id` in the current transaction, whatever the
+    caller's copy of the row says; returns the last. The row stays locked until the
+    transaction ends, so the seqs are taken in order, without gaps."""
+    # updated_at moves too: the web process's tailer finds changed tasks by it.
+    Task.objects.filter(pk=task_id).update(event_seq=F("event_seq") + n, updated_at=timezone.now())
+    return Task.objects.values_list("event_seq", flat=True).get(pk=task_id)
+
+
+def reserve_locked(task: Task, n: int = 1, *, saving=()) -> int:
+    """Reserve the next `n` seqs of `task`, whose row the caller's transaction locked and read
+    (lock_fenced, lock_task): one UPDATE saves them with `saving`, the other columns the
+    caller changed on `task` (no extra round trip). Returns the last seq reserved."""
+    task.event_seq += n
+    task.save(update_fields=[*saving, "event_seq", "updated_at"])
+    return task.event_seq
+
+
+def reserve_sql() -> str:
+    """The reservation of one seq as a SET item of the UPDATE of the task row in a commit
+    written as SQL (engine/checkpoint.py); the statement returns event_seq, the seq reserved."""
+    return "event_seq = event_seq + 1"
 
 
 NOTIFY_CHANNEL = "orchestrator_tasks"

@@ -459,6 +459,27 @@ def settle_control(task: Task, type_name: str, outcome: str) -> int:
     return count
 
 
+# --- Task.inbox_pending: written here and nowhere else (tests/engine/test_one_writer.py) ---
+
+def consumed(task: Task, count: int) -> tuple[str, ...]:
+    """`count` of `task`'s pending events left the queue in the caller's transaction, which
+    locked and read the row (checkpoint.commit_events, checkpoint._settle_wait): the counter,
+    lowered on `task`. Returns the columns to save with the caller's own UPDATE of the row
+    (no extra round trip)."""
+    task.inbox_pending -= count
+    return ("inbox_pending",)
+
+
+def reject_pending(task: Task, to: str, now: datetime) -> None:
+    """`task` (locked) ends as `to`: its inbox will never be read again, so each pending event
+    says so, and the counter is zero on `task` (saved by the transition, states.transition)."""
+    if task.inbox_pending:
+        InboundEvent.objects.filter(task=task, state=InboundState.PENDING).update(
+            state=InboundState.REJECTED, consumed_at=now,
+            outcome=f"not applied: the task ended ({to}) before its next resume point")
+        task.inbox_pending = 0
+
+
 INBOX_ADDER = "inbox#"  # Step.added_by of a step an event added: "inbox#<seq>"
 
 

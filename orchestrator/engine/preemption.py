@@ -30,7 +30,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from ..models import InboundEvent, InboundState, Step, StepStatus
-from . import snapshots
+from . import events, snapshots
 from .checkpoint import FINISHED, PlanState
 from .events import create_event
 from .inbox import MAX_STACK_DEPTH, Applied
@@ -117,11 +117,9 @@ def pop(lease: Lease, plan: PlanState) -> dict:
         task = lock_fenced(lease)
         task.stack = list(task.stack)[:-1]
         task.checkpoint_version += 1
-        task.event_seq += 1
         task.inbox_seq += 1
         task.heartbeat_at = now
-        task.save(update_fields=["stack", "checkpoint_version", "event_seq", "inbox_seq", "heartbeat_at",
-                                 "updated_at"])
+        seq = events.reserve_locked(task, saving=["stack", "checkpoint_version", "inbox_seq", "heartbeat_at"])
         payload = {"subtask": frame["subtask"], "event": frame["event"], "steps": statuses}
         outcome = (f"frame {frame['depth']} popped: subtask {frame['subtask']} finished "
                    f"({', '.join(f'{s} {st}' for s, st in statuses.items())}); "
@@ -133,7 +131,7 @@ def pop(lease: Lease, plan: PlanState) -> dict:
             visible_at=now, state=InboundState.CONSUMED, outcome=outcome[:2000], consumed_at=now,
             consumed_in_version=task.checkpoint_version)
         snapshots.write_delta(task.pk, task.checkpoint_version, {"stack": task.stack, "status": task.status})
-        create_event(task, task.event_seq, "subtask_done", {
+        create_event(task, seq, "subtask_done", {
             "subtask": frame["subtask"], "depth": frame["depth"], "event": frame["event"], "steps": statuses,
             "cursor": frame["cursor"], "version": task.checkpoint_version})
     plan.version, plan.stack = task.checkpoint_version, list(task.stack)

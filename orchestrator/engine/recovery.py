@@ -301,8 +301,7 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict,
         # Callers outside recovery (Runner.decide, the watchdog) pass only what they hold.
         log_extra = {**log_fields(task), **extra, "wal_entry_id": entry.pk}
         if record is not None:
-            WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.DONE, result=record.result,
-                                                        completed_at=timezone.now())
+            wal.settle(entry.pk, WalStatus.DONE, result=record.result)
             log.info("recovery: effect recorded in the idempotency store; reusing its result",
                      extra={**log_extra, "resume_strategy": "reuse_recorded_result"})
         elif entry.idempotent and not ended:

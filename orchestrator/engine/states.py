@@ -6,7 +6,7 @@ the task row locked, appends a `status` event to the progress log and an audit e
 from django.db import transaction
 from django.utils import timezone
 
-from ..models import AuditEntry, InboundEvent, InboundState, Task, TaskStatus as S
+from ..models import AuditEntry, Task, TaskStatus as S
 from ..notifications import notify_needs_human
 from . import approvals
 from .events import append_event
@@ -70,12 +70,9 @@ def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | N
         task.finished_at = now
         task.lease_owner = ""
         task.control = ""
-        if task.inbox_pending:
-            # Its inbox will never be read again: each pending event says so.
-            InboundEvent.objects.filter(task=task, state=InboundState.PENDING).update(
-                state=InboundState.REJECTED, consumed_at=now,
-                outcome=f"not applied: the task ended ({to}) before its next resume point")
-            task.inbox_pending = 0
+        from .inbox import reject_pending  # the inbox imports the state machine: imported here
+
+        reject_pending(task, to, now)
     if to not in (S.QUEUED, S.RUNNING):
         task.recovering_since = None  # a recovery in progress ends when the task settles elsewhere
     task.paused_by_limit = ""  # set (in `fields`) only by the runner's pause for a limit

@@ -152,7 +152,7 @@ def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args
             entry = new_entry(lease, step_id, call_index, tool_name, tool.wal_args(args), key, tool.is_idempotent(args))
         elif entry.status == WalStatus.FAILED:
             # A failed effect did not happen: the retry reuses the entry (and its key).
-            WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.PENDING, error="", completed_at=None)
+            settle(entry.pk, WalStatus.PENDING, error="")
     log.debug("wal intent", extra={"task_id": lease.task_id, "step_id": step_id, "wal_entry_id": entry.pk})
     fault_point("after_intent", step_id)
     try:
@@ -252,7 +252,7 @@ def _record_done(lease: Lease, entry: WalEntry | None, *, step_id, call_index, t
     bump_fenced(lease)  # a worker whose lease is stale writes nothing (and its effect rolls back)
     if entry is None:
         entry = new_entry(lease, step_id, call_index, tool.name, tool.wal_args(args), key, tool.is_idempotent(args))
-    WalEntry.objects.filter(pk=entry.pk).update(status=WalStatus.DONE, result=result, completed_at=now, error="")
+    settle(entry.pk, WalStatus.DONE, result=result, error="", now=now)
     IdempotencyRecord.objects.bulk_create([IdempotencyRecord(key=key, tool=tool.name, result=result)],
                                           ignore_conflicts=True)
     return entry.pk
@@ -266,9 +266,34 @@ def new_entry(lease: Lease, step_id: str, call_index: int, tool_name: str, args:
                                    worker=f"{lease.host}:{lease.pid}")
 
 
+_KEEP = object()  # settle(): a column left as it is
+
+
+def settle(entry_id: int, status: str, *, result: Any = _KEEP, error: str | None = None, settled_by: str = "",
+           only_pending: bool = False, now=None) -> int:
+    """The one writer of WalEntry.status (tests/engine/test_one_writer.py): entry `entry_id`
+    becomes `status`, completed now (`pending` again: not completed), with `result`, `error`
+    and `settled_by` when given (other columns as they are). `only_pending`: only if it is
+    still `pending` (another settler may have been first). Returns the rows changed (0 or 1).
+    In the caller's transaction, if any. The PostgreSQL one-statement checkpoint writes `done`
+    with done_sql(), from here too."""
+    fields: dict[str, Any] = {"status": status,
+                              "completed_at": None if status == WalStatus.PENDING else now or timezone.now()}
+    if result is not _KEEP:
+        fields["result"] = result
+    if error is not None:
+        fields["error"] = error[:5000]
+    if settled_by:
+        fields["settled_by"] = settled_by
+    rows = WalEntry.objects.filter(pk=entry_id)
+    if only_pending:
+        rows = rows.filter(status=WalStatus.PENDING)
+    return rows.update(**fields)
+
+
 def mark_failed(entry_id: int, error: Exception) -> None:
-    WalEntry.objects.filter(pk=entry_id, status=WalStatus.PENDING).update(
-        status=WalStatus.FAILED, error=f"{type(error).__name__}: {error}"[:5000], completed_at=timezone.now())
+    """A `pending` entry did not happen (the tool said so): `failed`, with the error."""
+    settle(entry_id, WalStatus.FAILED, error=f"{type(error).__name__}: {error}", only_pending=True)
 
 
 def mark_unknown(entry_id: int, error: Exception) -> None:
@@ -291,16 +316,14 @@ def probe_entry(entry: WalEntry) -> ProbeResult:
     extra = {"task_id": entry.task_id, "wal_entry_id": entry.pk, "probe": probed.state}
     if probed.state == ProbeResult.DONE:
         with transaction.atomic():
-            if WalEntry.objects.filter(pk=entry.pk, status=WalStatus.PENDING).update(
-                    status=WalStatus.DONE, result=probed.result, completed_at=timezone.now(), settled_by="probe",
-                    error=f"settled by probe: {probed.how}"[:5000]):
+            if settle(entry.pk, WalStatus.DONE, result=probed.result, settled_by="probe",
+                      error=f"settled by probe: {probed.how}", only_pending=True):
                 IdempotencyRecord.objects.get_or_create(key=entry.idempotency_key,
                                                         defaults={"tool": entry.tool, "result": probed.result})
         log.info("effect in doubt settled by its probe: done", extra=extra)
     elif probed.state == ProbeResult.NOT_DONE:
-        WalEntry.objects.filter(pk=entry.pk, status=WalStatus.PENDING).update(
-            status=WalStatus.FAILED, completed_at=timezone.now(), settled_by="probe",
-            error=f"settled by probe: not done ({probed.how})"[:5000])
+        settle(entry.pk, WalStatus.FAILED, settled_by="probe", error=f"settled by probe: not done ({probed.how})",
+               only_pending=True)
         log.info("effect in doubt settled by its probe: not done", extra=extra)
     return probed
 
@@ -312,10 +335,33 @@ def mark_done(effects: list[CompletedEffect]) -> None:
         return
     now = timezone.now()
     for effect in effects:
-        WalEntry.objects.filter(pk=effect.entry_id).update(status=WalStatus.DONE, result=effect.result,
-                                                            completed_at=now, error="")
+        settle(effect.entry_id, WalStatus.DONE, result=effect.result, error="", now=now)
     IdempotencyRecord.objects.bulk_create(
         [IdempotencyRecord(key=e.key, tool=e.tool, result=e.result) for e in effects], ignore_conflicts=True)
+
+
+def done_sql() -> str:
+    """mark_done() as common table expressions of one PostgreSQL statement (the one-statement
+    checkpoint, engine/checkpoint.py): `effects` (the parameter %(effects)s: done_parameter())
+    recorded `done` with their results and their keys in the idempotency store, at %(now)s,
+    only if the statement's fence `t` returned a row. Starts with a comma: it follows the
+    statement's other expressions."""
+    return """, effects AS (
+    SELECT * FROM jsonb_to_recordset(%(effects)s::jsonb) AS e(id bigint, key text, tool text, result jsonb)
+), w AS (
+    UPDATE {wal} SET status = 'done', result = effects.result, completed_at = %(now)s, error = ''
+    FROM effects WHERE {wal}.id = effects.id AND EXISTS (SELECT 1 FROM t)
+), i AS (
+    INSERT INTO {idempotency} (key, tool, result, created_at)
+    SELECT effects.key, effects.tool, effects.result, %(now)s FROM effects WHERE EXISTS (SELECT 1 FROM t)
+    ON CONFLICT (key) DO NOTHING
+)""".format(wal=WalEntry._meta.db_table, idempotency=IdempotencyRecord._meta.db_table)
+
+
+def done_parameter(effects: list[CompletedEffect]) -> str:
+    """The %(effects)s of done_sql(): the effects not yet recorded, as JSON."""
+    return json.dumps([{"id": e.entry_id, "key": e.key, "tool": e.tool, "result": e.result}
+                       for e in effects if not e.committed])
 
 
 # Sent when a non-idempotent effect is in doubt, in the caller's transaction; the review
