@@ -20,7 +20,7 @@ A task with no fingerprint (it never ran, or paused before this gate existed) re
 from dataclasses import dataclass, field
 
 from ..models import Task, TaskStatus as S
-from ..tasktypes import get_type
+from ..tasktypes import UnknownTaskType, get_type
 from ..tasktypes.base import RESUME_POLICIES
 from ..tasktypes.fingerprint import ABSENT
 from . import states
@@ -125,8 +125,14 @@ def differences(recorded: dict, current: dict) -> list[dict]:
 
 
 def check(task: Task) -> Gate:
-    """What a resume of `task` would meet now (no writes)."""
-    task_type = get_type(task.type)
+    """What a resume of `task` would meet now (no writes). A type this deploy does not have
+    cannot run the task at all: refused as under `pin`, saying so."""
+    try:
+        task_type = get_type(task.type)
+    except UnknownTaskType:
+        return Gate(policy="pin", recorded=True, differences=[{
+            "key": "type", "before": task.type, "after": None,
+            "text": f"the task type {task.type} is not installed here (is its module in ORCH_EXTENSIONS?)"}])
     policy = policy_of(task_type)
     if not task.compat:
         return Gate(policy=policy)
@@ -148,8 +154,10 @@ def admit(task: Task, *, accept_changes: bool = False, actor=None, ip=None, acti
     params = task.params if params is None else params
     if gate.compatible:
         return None
-    task_type = get_type(task.type)
     what = listed(gate)
+    if any(d["key"] == "type" for d in gate.differences):
+        raise IncompatibleResume(task, gate, f"Task #{task.pk} cannot {action} on this deploy: {what}.")
+    task_type = get_type(task.type)
     if gate.policy == "pin":
         raise IncompatibleResume(task, gate, (
             f"Task #{task.pk} cannot {action} on this deploy: the code of {task.type} changed since it paused "

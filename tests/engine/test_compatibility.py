@@ -240,3 +240,14 @@ def test_an_agent_whose_granted_tools_schema_changed_is_caught(model, smtp, monk
     services.task_resume(task_id=task.pk, limits={"max_steps": 1000}, accept_changes=True)
     assert drive_inline(task.pk) == "completed"
     assert len(smtp.received) == 1
+
+
+def test_a_task_whose_type_this_deploy_no_longer_has_is_refused_with_why_not_an_error(monkeypatch):
+    from orchestrator import tasktypes
+
+    task = paused("test.compat_ask")
+    monkeypatch.delitem(tasktypes._registry, "test.compat_ask")  # the deploy dropped the type's module
+    with pytest.raises(compat.IncompatibleResume) as refused:
+        resume(task.pk, accept_changes=True)  # no acceptance makes a type that is not here run
+    assert "the task type test.compat_ask is not installed here" in str(refused.value)
+    assert Task.objects.get(pk=task.pk).status == "paused"
