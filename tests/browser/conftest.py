@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from tests.conftest import database_url, free_port
+from tests.conftest import SHARED_MODEL_SETTINGS, database_url, free_port
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root (where manage.py lives)
 CHROMIUM = os.environ.get("CHROMIUM_PATH") or "/usr/bin/chromium"
@@ -136,6 +136,8 @@ class Server:
             "ORCH_VAR_DIR": str(settings.VAR_DIR),
             "PORT": str(self.port),
             "PYTHONUNBUFFERED": "1",
+            # The test types the workers of browser tests run (test_controls): the web knows them too.
+            "ORCH_EXTRA_TASK_TYPES": "tests.support.testtypes",
             **{k: str(v) for k, v in env_overrides.items()},
         })
         self.proc = None
@@ -189,6 +191,14 @@ class Stack:
         self.clusters = []
 
     def start_workers(self, count: int = 1, **env):
+        # One installation, one configuration: the web server gets the model settings its workers
+        # get (a resume compares the model a task ran on with the one configured now). Give them
+        # before a page opens: the server restarts to take them.
+        shared = {k: str(v) for k, v in env.items() if k in SHARED_MODEL_SETTINGS}
+        if any(self.server.env.get(k) != v for k, v in shared.items()):
+            self.server.stop()
+            self.server.env.update(shared)
+            self.server.start()
         cluster = self._start_workers(count, **env)
         self.clusters.append(cluster)
         return cluster

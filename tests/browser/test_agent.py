@@ -18,11 +18,12 @@ GOAL = ("Explain in plain words why a durable task harness checkpoints every ste
 def test_operator_watches_an_agent_stream_pauses_it_sends_a_message_and_resumes(stack, new_page, make_user):
     make_user("olga", "operator")
     with StandinServer(token_seconds=0.0005) as model:
+        # Workers (and the web, which shares their model settings) first, then the page.
+        stack.start_workers(1, LLM_BASE_URL=model.base_url, LLM_API_KEY="standin",
+                            LLM_MODEL="standin-planner+slow=0.1")
         task = services.task_create(type="agent.plan_execute", params={"goal": GOAL, "tools": []})
         page = new_page("olga")
         page.goto(f"/tasks/{task.pk}/#conversation")  # the Conversation tab
-        stack.start_workers(1, LLM_BASE_URL=model.base_url, LLM_API_KEY="standin",
-                            LLM_MODEL="standin-planner+slow=0.1")
         streaming = page.locator('[data-testid="dialog-message"][data-streaming="true"]')
         expect(streaming).to_be_visible(timeout=LIVE)
         expect(streaming.get_by_test_id("dialog-text")).not_to_be_empty()
