@@ -110,7 +110,9 @@ def test_postgresql_restarted_while_tasks_run_every_task_completes(private_postg
     with client.websocket() as socket:
         assert json.loads(socket.recv(timeout=10))["type"] == "state"
         ids = create_tasks(process_env(**env), "demo.migrate_rows", {"rows": 3000, "batch_size": 250, "rate": 1.0}, 4)
-        ids += create_tasks(process_env(**env), "demo.pipeline", {"stages": 3, "seconds_per_stage": 0.5}, 2)
+        # Long enough to still run once the command that creates them has returned, on a loaded
+        # machine too (the migrations can be done by then: CI saw every task finished first).
+        ids += create_tasks(process_env(**env), "demo.pipeline", {"stages": 3, "seconds_per_stage": 4}, 2)
         wait_for(lambda: "running" in statuses(private_postgres, ids).values(), timeout=60, message="a task running")
         private_postgres.stop()  # immediate: every connection is cut, in-flight transactions are lost
         # Down until the sweeper and a running task's supervisor have both noticed (longer than
