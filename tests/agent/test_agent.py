@@ -11,10 +11,10 @@ from orchestrator import selectors
 from orchestrator.agent import history
 from orchestrator.engine import inbox, services
 from orchestrator.engine.worker import drive_inline
-from orchestrator.llm.standin import StandinServer
 from orchestrator.models import AgentMessage, Step, Task, TaskEvent, WalEntry
 from review.models import ReviewItem
 from review.services import review_decide
+from tests.support.helpers import standin_for_this_process
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -28,10 +28,7 @@ EMAILS = {"tools": ["contracts_list", "contracts_read", "memory_search", "email_
 @pytest.fixture
 def model(settings):
     """The stand-in model server, which this process's agent talks to; `requests` is what it got."""
-    with StandinServer(token_seconds=0.0005) as server:
-        settings.LLM_BASE_URL, settings.LLM_API_KEY, settings.LLM_MODEL = server.base_url, "standin", "standin-planner"
-        settings.LLM_MAX_ATTEMPTS = 3
-        settings.ORCH_AGENT_EMAIL_ALLOW = ["*@example.org"]
+    with standin_for_this_process(settings, LLM_MAX_ATTEMPTS=3, ORCH_AGENT_EMAIL_ALLOW=["*@example.org"]) as server:
         yield server
 
 

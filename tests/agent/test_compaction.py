@@ -8,9 +8,10 @@ import pytest
 from orchestrator.agent import compaction, history
 from orchestrator.engine import services
 from orchestrator.engine.worker import drive_inline
-from orchestrator.llm.standin import StandinServer, _estimate_prompt_tokens
+from orchestrator.llm.standin import _estimate_prompt_tokens
 from orchestrator.models import AgentMessage, Step, Task, WalEntry
 from tests.agent import long_run_tools
+from tests.support.helpers import standin_for_this_process
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -22,12 +23,12 @@ GOAL = (f"Read items 1 to {ITEMS} with item_read, one per turn, keeping a runnin
 
 @pytest.fixture
 def model(settings, smtp):
-    with StandinServer(token_seconds=0) as server:
-        settings.LLM_BASE_URL, settings.LLM_API_KEY = server.base_url, "standin"
-        settings.LLM_MODEL = f"standin-planner+context_window={WINDOW}"
-        settings.LLM_CONTEXT_WINDOW = WINDOW
-        settings.ORCH_EXTENSIONS = ["tests.agent.long_run_tools"]
-        settings.ORCH_AGENT_EMAIL_ALLOW = ["*@example.org"]
+    with standin_for_this_process(settings, model=f"standin-planner+context_window={WINDOW}", token_seconds=0,
+                                  LLM_CONTEXT_WINDOW=WINDOW, ORCH_EXTENSIONS=["tests.agent.long_run_tools"],
+                                  ORCH_AGENT_EMAIL_ALLOW=["*@example.org"],
+                                  # One drive_inline runs the 200 turns whole, on a loaded machine too
+                                  # (a 60 s slice ended it 'sliced' once).
+                                  ORCH_SLICE_SECONDS=900) as server:
         yield server
 
 

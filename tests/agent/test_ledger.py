@@ -9,8 +9,9 @@ import pytest
 
 from orchestrator.engine import actions, llm_ledger, services
 from orchestrator.engine.worker import drive_inline
-from orchestrator.llm.standin import STANDIN_MODEL, StandinServer
+from orchestrator.llm.standin import STANDIN_MODEL
 from orchestrator.models import ModelCallAttempt, Task
+from tests.support.helpers import standin_for_this_process
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -20,9 +21,7 @@ PRICES = {"price_input_per_million": 2, "price_output_per_million": 8}
 
 @pytest.fixture
 def model(settings):
-    with StandinServer(token_seconds=0) as server:
-        settings.LLM_BASE_URL, settings.LLM_API_KEY, settings.LLM_MODEL = server.base_url, "standin", STANDIN_MODEL
-        settings.LLM_MAX_ATTEMPTS = 3
+    with standin_for_this_process(settings, model=STANDIN_MODEL, token_seconds=0, LLM_MAX_ATTEMPTS=3) as server:
         yield server
 
 

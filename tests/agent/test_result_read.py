@@ -10,10 +10,10 @@ from orchestrator.agent import toolbox
 from orchestrator.engine import services
 from orchestrator.engine.results import result_of
 from orchestrator.engine.worker import drive_inline
-from orchestrator.llm.standin import StandinServer
 from orchestrator.models import AgentMessage, Step, Task
 from orchestrator.primitives.cancellation import CancellationToken
 from tests.agent import big_result_tools
+from tests.support.helpers import standin_for_this_process
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -22,10 +22,8 @@ GOAL = "Fetch the report and tell me how it goes on"
 
 @pytest.fixture
 def model(settings):
-    with StandinServer(token_seconds=0) as server:
-        settings.LLM_BASE_URL, settings.LLM_API_KEY, settings.LLM_MODEL = server.base_url, "standin", "standin-planner"
-        settings.ORCH_EXTENSIONS = ["tests.agent.big_result_tools"]
-        settings.ORCH_AGENT_RESULT_INLINE_CHARS = 8000
+    with standin_for_this_process(settings, token_seconds=0, ORCH_EXTENSIONS=["tests.agent.big_result_tools"],
+                                  ORCH_AGENT_RESULT_INLINE_CHARS=8000) as server:
         yield server
 
 

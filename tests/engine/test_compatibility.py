@@ -14,7 +14,7 @@ from orchestrator.engine import compat, revisions, services
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import AuditEntry, InboundEvent, Step, Task, TaskEvent
 from tests.support import compat_types
-from tests.support.helpers import bearer
+from tests.support.helpers import bearer, standin_for_this_process
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.compat_types")]
 
@@ -210,12 +210,7 @@ EMAILS = {"tools": ["contracts_list", "contracts_read", "memory_search", "email_
 
 @pytest.fixture
 def model(settings):
-    from orchestrator.llm.standin import StandinServer
-
-    with StandinServer(token_seconds=0.0005) as server:
-        settings.LLM_BASE_URL, settings.LLM_API_KEY, settings.LLM_MODEL = server.base_url, "standin", "standin-planner"
-        settings.LLM_MAX_ATTEMPTS = 3
-        settings.ORCH_AGENT_EMAIL_ALLOW = ["*@example.org"]
+    with standin_for_this_process(settings, LLM_MAX_ATTEMPTS=3, ORCH_AGENT_EMAIL_ALLOW=["*@example.org"]) as server:
         yield server
 
 

@@ -9,12 +9,12 @@ from django.utils import timezone
 
 from orchestrator.engine import recovery, revisions, services
 from orchestrator.engine.worker import drive_inline
-from orchestrator.llm.standin import StandinServer
 from orchestrator.models import AgentMessage, AuditEntry, InboundEvent, Snapshot, Task, WalEntry
 from review.models import ReviewItem
 from review.services import DecisionRefused, ReviewClosed, review_decide
 
 from .conftest import logged_in
+from tests.support.helpers import standin_for_this_process
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -25,9 +25,7 @@ WAITING_TOOL = "email_send"  # the tool whose call waits for its approval
 
 @pytest.fixture
 def model(settings):
-    with StandinServer(token_seconds=0.0005) as server:
-        settings.LLM_BASE_URL, settings.LLM_API_KEY, settings.LLM_MODEL = server.base_url, "standin", "standin-planner"
-        settings.ORCH_AGENT_EMAIL_ALLOW = ["*@example.org"]
+    with standin_for_this_process(settings, ORCH_AGENT_EMAIL_ALLOW=["*@example.org"]) as server:
         yield server
 
 

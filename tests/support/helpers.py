@@ -1,4 +1,5 @@
 """Helpers the tests share (instead of a copy per file)."""
+import contextlib
 import subprocess
 
 from orchestrator.models import Task, TaskEvent, WalEntry
@@ -93,3 +94,17 @@ def write_intent(*, lease, step_id: str, call_index: int, tool_name: str, args: 
     with transaction.atomic():
         bump_fenced(lease)  # a worker whose lease is stale writes no intent
         return new_entry(lease, step_id, call_index, tool_name, args, key, idempotent)
+
+
+@contextlib.contextmanager
+def standin_for_this_process(settings, *, model: str = "standin-planner", token_seconds: float = 0.0005,
+                             **overrides):
+    """The stand-in model server, and this process's settings pointing at it (the agents a test
+    drives in-process, `drive_inline`, talk to it); `overrides` are more settings."""
+    from orchestrator.llm.standin import StandinServer
+
+    with StandinServer(token_seconds=token_seconds) as server:
+        settings.LLM_BASE_URL, settings.LLM_API_KEY, settings.LLM_MODEL = server.base_url, "standin", model
+        for name, value in overrides.items():
+            setattr(settings, name, value)
+        yield server
