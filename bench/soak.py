@@ -105,6 +105,7 @@ import os
 import queue
 import random
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -502,6 +503,7 @@ class Soak:
 
     # --- infrastructure -----------------------------------------------------------------
     def start_services(self) -> None:
+        self.secret_key = "soak-" + secrets.token_urlsafe(32)
         self.pg = PostgresCluster(free_port())
         self.pg.init()
         with open(self.pg.data / "postgresql.conf", "a") as conf:
@@ -528,6 +530,8 @@ class Soak:
             "ORCH_VAR_DIR": str(self.run_dir / "var"), "ORCH_LOG_LEVEL": os.environ.get("SOAK_LOG_LEVEL", "WARNING"),
             "ORCH_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1",
             "ORCH_EXTRA_TASK_TYPES": "bench.soak_types",  # soak.post: POSTs to the soak's upstream
+            # As in production (DEBUG off): one key for every process of the run.
+            "DEBUG": "false", "SECRET_KEY": self.secret_key,
         }
 
     def setup_django(self) -> None:
