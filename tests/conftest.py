@@ -234,6 +234,16 @@ def standin_server():
 
 
 @pytest.fixture
+def model(settings):
+    """The stand-in model server, which this process's agents (drive_inline) talk to; `requests`
+    is what it got. A module needing other settings defines its own `model`."""
+    from tests.support.helpers import standin_for_this_process
+
+    with standin_for_this_process(settings, LLM_MAX_ATTEMPTS=3, ORCH_AGENT_EMAIL_ALLOW=["*@example.org"]) as server:
+        yield server
+
+
+@pytest.fixture
 def private_redis(tmp_path):
     """A Redis server of the test's own, which it may kill and restart."""
     from tests.support.services import RedisServer

@@ -14,22 +14,11 @@ from orchestrator.engine.worker import drive_inline
 from orchestrator.models import AgentMessage, Step, Task, TaskEvent, WalEntry
 from review.models import ReviewItem
 from review.services import review_decide
-from tests.support.helpers import standin_for_this_process
+from tests.support.helpers import CONTRACTS_GOAL, CONTRACTS_TOOLS
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-GOAL = "Parse the 5 contracts and email a summary to ops@example.org"
-# What the contracts goal needs: the safe default has no email_send (a side effect must be named),
-# and its approval is waived here (the installation itself creates these tasks: actor None).
-EMAILS = {"tools": ["contracts_list", "contracts_read", "memory_search", "email_send"],
-          "approval_waived": ["email_send"]}
-
-
-@pytest.fixture
-def model(settings):
-    """The stand-in model server, which this process's agent talks to; `requests` is what it got."""
-    with standin_for_this_process(settings, LLM_MAX_ATTEMPTS=3, ORCH_AGENT_EMAIL_ALLOW=["*@example.org"]) as server:
-        yield server
+GOAL, EMAILS = CONTRACTS_GOAL, CONTRACTS_TOOLS  # tests/support/helpers.py; `model`: tests/conftest.py
 
 
 def agent(goal: str = GOAL, **params) -> Task:

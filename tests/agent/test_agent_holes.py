@@ -19,7 +19,7 @@ from orchestrator.tasktypes.agent import AgentParams, PlanExecuteAgent
 from review.models import ReviewItem
 from review.services import review_decide
 
-from .test_agent import EMAILS, GOAL, agent, assert_every_tool_call_answered, model  # noqa: F401 (fixture)
+from .test_agent import EMAILS, GOAL, agent, assert_every_tool_call_answered
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

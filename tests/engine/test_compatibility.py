@@ -14,7 +14,7 @@ from orchestrator.engine import compat, revisions, services
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import AuditEntry, InboundEvent, Step, Task, TaskEvent
 from tests.support import compat_types
-from tests.support.helpers import bearer, standin_for_this_process
+from tests.support.helpers import CONTRACTS_GOAL, CONTRACTS_TOOLS, bearer
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.task_types("tests.support.compat_types")]
 
@@ -203,15 +203,7 @@ def test_api_cli_and_pages_refuse_show_and_confirm(monkeypatch, client, operator
 
 # --- an agent whose granted tool's schema changes ------------------------------------------------
 
-GOAL = "Parse the 5 contracts and email a summary to ops@example.org"
-EMAILS = {"tools": ["contracts_list", "contracts_read", "memory_search", "email_send"],
-          "approval_waived": ["email_send"]}
-
-
-@pytest.fixture
-def model(settings):
-    with standin_for_this_process(settings, LLM_MAX_ATTEMPTS=3, ORCH_AGENT_EMAIL_ALLOW=["*@example.org"]) as server:
-        yield server
+GOAL, EMAILS = CONTRACTS_GOAL, CONTRACTS_TOOLS  # tests/support/helpers.py; `model`: tests/conftest.py
 
 
 class MemorySearchV2(BaseModel):

@@ -108,3 +108,11 @@ def standin_for_this_process(settings, *, model: str = "standin-planner", token_
         for name, value in overrides.items():
             setattr(settings, name, value)
         yield server
+
+
+# The demo's contracts goal for an agent, and the tools it needs: the safe default has no
+# email_send (a side effect must be named), and its approval is waived (the installation itself
+# creates these tasks: actor None).
+CONTRACTS_GOAL = "Parse the 5 contracts and email a summary to ops@example.org"
+CONTRACTS_TOOLS = {"tools": ["contracts_list", "contracts_read", "memory_search", "email_send"],
+                   "approval_waived": ["email_send"]}
