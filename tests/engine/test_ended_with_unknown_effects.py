@@ -223,22 +223,24 @@ def test_stopping_a_task_no_worker_holds_reviews_the_effect_it_left_pending(cont
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_task_that_completes_past_a_skipped_effect_in_doubt_puts_it_in_front_of_a_reviewer(silent_http, reviewer):
+@pytest.mark.parametrize("policy, ends", [("skip", "completed"), ("fail", "failed")])
+def test_a_task_that_completes_past_a_skipped_effect_in_doubt_puts_it_in_front_of_a_reviewer(
+        silent_http, reviewer, policy, ends):
     # A keyed POST the server read and never answered: in doubt, replayed with its key until the
-    # step's retries ran out, then skipped by its policy. The task goes on and completes; nothing
-    # will replay the call now, so whether it happened is a reviewer's to record.
+    # step's retries ran out; then its policy skips it (the task goes on and completes) or fails
+    # the task. Either way nothing will replay the call now: a reviewer records whether it happened.
     task = services.task_create(type="test.effects", params={"kind": "keyed", "url": silent_http.url, "timeout": 1,
-                                                             "on_failure": "skip"})
-    assert drive_inline(task.pk) == "completed"
+                                                             "on_failure": policy})
+    assert drive_inline(task.pk) == ends
     task.refresh_from_db()
     entry = WalEntry.objects.get(task=task)
     sent = len(silent_http.requests)
     keys = {line.split(b":", 1)[1].strip().decode() for request in silent_http.requests
             for line in request.split(b"\r\n") if line.lower().startswith(b"idempotency-key:")}
     assert sent >= 2 and keys == {entry.idempotency_key}
-    assert task.status_reason == f"all steps done; 1 side effect(s) in doubt wait for review ({entry.idempotency_key})"
+    assert task.status_reason.endswith(f"; 1 side effect(s) in doubt wait for review ({entry.idempotency_key})")
     [item] = ReviewItem.objects.filter(task=task, status="open")
     assert item.wal_entry_id == entry.pk and "The task ended" in item.reason
     review_decide(item_id=item.pk, decision="happened", note="the ledger has it", actor=reviewer)
     assert WalEntry.objects.get(pk=entry.pk).status == "done"
-    assert Task.objects.get(pk=task.pk).status == "completed" and len(silent_http.requests) == sent
+    assert Task.objects.get(pk=task.pk).status == ends and len(silent_http.requests) == sent
