@@ -118,7 +118,10 @@ def messages_of(task_id: int) -> str:
 
 def main():
     for task_id in Task.objects.exclude(status__in=TERMINAL).values_list("pk", flat=True):
-        services.task_terminate(task_id=task_id, reason="bench: left over")
+        try:
+            services.task_terminate(task_id=task_id, reason="bench: left over")
+        except InvalidTransition:  # it finished meanwhile
+            pass
     from django_q.brokers import get_broker
 
     get_broker().purge_queue()  # messages an earlier run left behind
