@@ -327,6 +327,17 @@ def _running_reason(task: Task, now: datetime, facts: Facts) -> WaitingOn:
     return WaitingOn(kind, text, since=since, stalled=stalled)
 
 
+# What a running step's activity reads as (a tool's, with its pid, and a step's are built below).
+ACTIVITY_TEXT = {
+    "subprocess": ("tool", "running a subprocess ({label})"),
+    "smtp": ("tool", "sending an {label}"),
+    "http": ("tool", "waiting on {label}"),
+    "mcp": ("tool", "calling the MCP server ({label})"),
+    "llm": ("llm", "streaming from the model"),
+    "subtask": ("step", "running subtask {label}"),
+}
+
+
 def _activity(task: Task, activities: list[dict], now: datetime, facts: Facts) -> tuple[str, str, datetime | None]:
     """(kind, "running email_send (pid 1234) for 12 s", since) of what the running step does."""
     ranked = sorted((a for a in activities if a.get("kind") in ACTIVITY_ORDER),
@@ -341,18 +352,9 @@ def _activity(task: Task, activities: list[dict], now: datetime, facts: Facts) -
         if kind == "tool":
             pid = pid_match.group(1) if pid_match else task.worker_pid
             return "tool", f"running {label}" + (f" (pid {pid})" if pid else "") + took, since
-        if kind == "subprocess":
-            return "tool", f"running a subprocess ({label}){took}", since
-        if kind == "smtp":
-            return "tool", f"sending an {label}{took}", since
-        if kind == "http":
-            return "tool", f"waiting on {label}{took}", since
-        if kind == "mcp":
-            return "tool", f"calling the MCP server ({label}){took}", since
-        if kind == "llm":
-            return "llm", f"streaming from the model{took}", since
-        if kind == "subtask":
-            return "step", f"running subtask {label}{took}", since
+        if kind in ACTIVITY_TEXT:
+            shown_as, text = ACTIVITY_TEXT[kind]
+            return shown_as, text.format(label=label) + took, since
         if attempt is not None and attempt.step_id == label:
             return _stream(attempt, now)
         return "step", f"running step {label}{took}", since
