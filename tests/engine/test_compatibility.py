@@ -238,3 +238,14 @@ def test_a_task_whose_type_this_deploy_no_longer_has_is_refused_with_why_not_an_
         resume(task.pk, accept_changes=True)  # no acceptance makes a type that is not here run
     assert "the task type test.compat_ask is not installed here" in str(refused.value)
     assert Task.objects.get(pk=task.pk).status == "paused"
+
+
+def test_a_viewer_cannot_accept_the_changes_and_nothing_is_audited(monkeypatch, client, viewer):
+    task = paused("test.compat_ask")
+    Task.objects.filter(pk=task.pk).update(paused_by_limit="", limits={**task.limits, **MORE})
+    change_tool_schema(monkeypatch)
+    response = client.post(f"/api/tasks/{task.pk}/resume", {"accept_changes": True}, content_type="application/json",
+                           **bearer(viewer))
+    assert response.status_code == 403
+    assert Task.objects.get(pk=task.pk).status == "paused"
+    assert not AuditEntry.objects.filter(task=task, action="task.accept_changes").exists()
