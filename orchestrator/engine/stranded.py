@@ -9,10 +9,15 @@ queue they would wait for every message ahead of them: minutes behind a real bac
 (bench/hosts.py counted them). So the sweeper's pass looks at the broker once (`look`) and
 puts the stranded ones first:
 
-- Redis: the list is FIFO. A task whose last hand-over is older than the oldest message
-  still waiting there (its head; messages put first are skipped, they are out of order) has
-  no message in the list any more: a cluster took it and did not run it. It is re-sent to
-  the front of the list (scheduler.send_first: LPUSH).
+- Redis: the list is read whole (up to REDIS_SCAN messages) and the tasks with a message in it
+  are known. A task due for a re-send with no message in the list was taken by a cluster and
+  not run (or its send was lost): it is re-sent to the front of the list
+  (scheduler.send_first: LPUSH). (This used to be told from send times: a task handed over
+  before the oldest message still waiting was taken for stranded. A burst of tasks is handed
+  over within milliseconds, so the messages a dead host took from the head of a burst looked as
+  new as the head, read as waiting, and were not re-sent until the head passed them:
+  bench/hosts.py saw them wait behind the backlog.) A list longer than REDIS_SCAN is not read
+  whole every pass: then the send times tell, as before.
 - ORM: a message a cluster took is a row locked until `retry` (twice ORCH_JOB_TIMEOUT_SECONDS:
   hours); a waiting task with such a row was taken and not run. It is re-sent ahead of every
   other row (brokers.OrderedORM, which takes rows by id: an id below the smallest). The
@@ -27,11 +32,11 @@ apart (after a Redis restart every waiting task is re-sent, in order, as before)
 The same look tells which tasks still have a message waiting in the broker: they are not
 re-sent at all (a copy behind their own message would only run after it, as a no-op claim;
 re-sending every waiting task each window multiplied a backlog's messages: 14,444 ORM rows for
-1,000 tasks in bench/hosts.py). Redis: a task whose last hand-over is not older than the head
-was sent after it, and the list is consumed from the head. A task whose send was lost (a crash
-between the commit and the send) looks the same until the head passes it: then it reads as
-stranded and goes first — when its message would have run anyway. ORM: a task with a row not
-taken. A task with no row at all (a lost send) is re-sent.
+1,000 tasks in bench/hosts.py). Redis: a task with a message in the list (past REDIS_SCAN: a
+task handed over after the oldest message still waiting, which the list holds behind it). A
+task whose send was lost (a crash between the commit and the send) has no message: it goes
+first at once. ORM: a task with a row not taken. A task with no row at all (a lost send) is
+re-sent.
 """
 import logging
 from dataclasses import dataclass, field
@@ -47,7 +52,9 @@ log = logging.getLogger(__name__)
 # within milliseconds (a burst of tasks, a pass of re-sends). A send that lags more (a long
 # transaction) may make a waiting task go first once: harmless (a duplicate message).
 SEND_LAG = timedelta(seconds=0.1)
-# How far into the Redis list to look for the oldest message not put first.
+# The longest Redis list read whole on a pass (decoding a message takes ~20 µs); a longer one is
+# told from send times (its head, HEAD_SCAN deep: the oldest message not put first).
+REDIS_SCAN = 10_000
 HEAD_SCAN = 200
 # The most ORM rows read for the tasks waiting there; beyond it the look does not tell
 # (every due task is re-sent, as before).
@@ -56,25 +63,31 @@ ORM_SCAN = 20_000
 
 @dataclass
 class BrokerView:
-    """What one look at the broker tells: Redis, when the oldest message still waiting in FIFO
-    order was sent (`head_sent_at`); ORM, which tasks have a row a cluster took (`taken`)."""
+    """What one look at the broker tells: which tasks have a message waiting (`waiting`; None
+    when there were too many to read); ORM, which tasks have a row a cluster took (`taken`);
+    Redis with a list too long to read, when the oldest message still waiting in FIFO order was
+    sent (`head_sent_at`)."""
 
     kind: str
     head_sent_at: datetime | None = None
     taken: set[int] = field(default_factory=set)
-    waiting: set[int] | None = None  # ORM: tasks with a row not taken (None: too many rows to read)
+    waiting: set[int] | None = None
 
     def stranded(self, task_id: int, enqueued_at: datetime | None) -> bool:
         """Whether the task's messages have all left the broker without being run (Redis), or
         one of them was taken and not run (ORM)."""
         if self.kind == "orm":
             return task_id in self.taken
+        if self.waiting is not None:
+            return task_id not in self.waiting
         return enqueued_at is not None and self.head_sent_at is not None and enqueued_at < self.head_sent_at - SEND_LAG
 
     def in_broker(self, task_id: int, enqueued_at: datetime | None) -> bool:
         """Whether a message of the task is waiting in the broker (so another copy is useless)."""
         if self.kind == "orm":
             return self.waiting is not None and task_id in self.waiting and task_id not in self.taken
+        if self.waiting is not None:
+            return task_id in self.waiting
         return (enqueued_at is not None and self.head_sent_at is not None
                 and enqueued_at >= self.head_sent_at - SEND_LAG)
 
@@ -90,8 +103,7 @@ def look() -> BrokerView | None:
     broker = get_broker()
     try:
         if isinstance(broker, Redis):
-            sent_at = _fifo_head_sent_at(broker)
-            return BrokerView("redis", head_sent_at=sent_at) if sent_at is not None else None
+            return _look_at_redis(broker)
         if isinstance(broker, OrderedORM):  # django-q2's own ORM broker has no front to put anything at
             taken, waiting = _taken_and_waiting_in_orm(broker)
             return BrokerView("orm", taken=taken, waiting=waiting)
@@ -105,6 +117,22 @@ def _drive_task_id(package: dict) -> int | None:
 
     args = package.get("args") or ()
     return args[0] if package.get("func") == DRIVE and args and isinstance(args[0], int) else None
+
+
+def _look_at_redis(broker) -> BrokerView | None:
+    connection = broker.connection
+    length = connection.llen(broker.list_key)
+    if length == 0:
+        return None
+    if length <= REDIS_SCAN:
+        from django_q.signing import SignedPackage
+
+        # A message a live cluster pops meanwhile reads as waiting: not re-sent this pass, and
+        # it runs (or its cluster dies and the next pass sees it gone).
+        waiting = {_drive_task_id(SignedPackage.loads(raw)) for raw in connection.lrange(broker.list_key, 0, -1)}
+        return BrokerView("redis", waiting=waiting - {None})
+    sent_at = _fifo_head_sent_at(broker)
+    return BrokerView("redis", head_sent_at=sent_at) if sent_at is not None else None
 
 
 def _fifo_head_sent_at(broker) -> datetime | None:
