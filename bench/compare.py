@@ -2,13 +2,20 @@
 scale, and the latency and throughput of many tasks on real workers.
 
     make bench                                           # installs the `bench` extra, runs everything
-    .venv/bin/python bench/compare.py [--only ours,dbos,langgraph,scale,latency] [--skip ...]
+    .venv/bin/python bench/compare.py [--only ours,dbos,langgraph,scale,latency] [--skip ...] [--write-docs]
+
+Each system's figures are taken BENCH_RUNS times and summed up as min/median/max beside the
+floor (one INSERT committed per step on the same server), with the ratios of the medians and
+issue 24's targets, met or missed. LangGraph runs in both durability modes, each labelled with
+whether it is durable. --write-docs puts that summary, with the date and the machine, into
+docs/benchmarks.md and the README (generated: edit this script, not those blocks).
 
 DATABASE_URL (default postgres://postgres@127.0.0.1:5432/bench_compare) is the database of our
 engine; it is created if missing. DBOS's system database (<name>_dbos_sys) and LangGraph's
 checkpoint tables (<name>_langgraph) live on the same server, each in a database of its own, so
 that each system's commits can be told apart. Environment:
     BENCH_ONLY / BENCH_SKIP    like --only / --skip
+    BENCH_RUNS                 runs of the side-by-side and the latency sections (default 3): min/median/max
     BENCH_STEPS                steps per run in the side-by-side section (default 500)
     BENCH_MAX_STEPS            caps every step count (the side-by-side runs and 100/1,000/10,000)
     BENCH_LANGGRAPH_SHAPE      loop (default: one node looping via a conditional edge) or linear
@@ -50,6 +57,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.report import Report  # noqa: E402
 
 SECTIONS = ("ours", "dbos", "langgraph", "latency", "scale")  # in the order they run
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/bench_compare"
@@ -257,7 +265,14 @@ def langgraph_graph(shape: str, n: int, checkpointer):
     return graph.compile(checkpointer=checkpointer)
 
 
-def section_langgraph(bench: Bench, steps: int) -> Figures | None:
+LANGGRAPH_DURABILITY = {
+    "sync": "durable: each step's checkpoint is committed before the next step starts",
+    "async": "its default; not durable: a step's checkpoint is written in the background while the next runs, "
+             "and lost if the process dies",
+}
+
+
+def section_langgraph(bench: Bench, steps: int, durability: str) -> Figures | None:
     try:
         from langgraph.checkpoint.postgres import PostgresSaver
     except ImportError:
@@ -269,7 +284,7 @@ def section_langgraph(bench: Bench, steps: int) -> Figures | None:
 
     def invoke(graph, n):
         config = {"configurable": {"thread_id": str(uuid.uuid4())}, "recursion_limit": n + 10}
-        out = graph.invoke({"i": -1, "n": n, "last": {}}, config=config)
+        out = graph.invoke({"i": -1, "n": n, "last": {}}, config=config, durability=durability)
         if out["i"] != n - 1:
             raise RuntimeError(f"LangGraph ran {out['i'] + 1} of {n} steps")
 
@@ -280,9 +295,28 @@ def section_langgraph(bench: Bench, steps: int) -> Figures | None:
     with ExitStack() as connection:
         graph = langgraph_graph(shape, steps, connection.enter_context(
             PostgresSaver.from_conn_string(bench.pg.url_for(database))))
-        return bench.measure(f"LangGraph {metadata.version('langgraph')} + PostgresSaver ({shape})", steps,
+        figures = bench.measure(f"LangGraph {metadata.version('langgraph')} ({durability})", steps,
                              [database], [(database, {"tables": LANGGRAPH_TABLES})], None,
-                             lambda: invoke(graph, steps), close=connection.close)
+                                lambda: invoke(graph, steps), close=connection.close)
+    figures.extra["durability"] = (f"PostgresSaver, {shape} graph; durability={durability!r}: "
+                                   f"{LANGGRAPH_DURABILITY[durability]}")
+    return figures
+
+
+# --- The floor: one row, one commit ------------------------------------------------------
+
+def section_floor(bench: Bench, steps: int) -> Figures:
+    """What no durable step can beat on this server: one INSERT of a small row, committed,
+    per step (a round trip and a WAL flush), on one connection."""
+    with bench.pg.connect(bench.pg.database) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS bench_floor (id bigserial PRIMARY KEY, v jsonb)")
+
+    def run():
+        with bench.pg.connect(bench.pg.database) as conn:
+            for i in range(steps):
+                conn.execute("INSERT INTO bench_floor (v) VALUES (%s)", (json.dumps({"i": i}),))
+    db = bench.pg.database
+    return bench.measure("floor: one-row commit", steps, [db], [(db, {"tables": ["bench_floor"]})], None, run)
 
 
 # --- Scale -------------------------------------------------------------------------------
@@ -398,7 +432,8 @@ def wait_until(condition, timeout: float, interval: float = 0.01, stack: Stack |
         time.sleep(interval)
 
 
-def section_latency() -> None:
+def section_latency() -> dict:
+    """POST -> first step on real workers, then many tasks in flight; returns the figures."""
     from django.contrib.auth import get_user_model
     from django.db import close_old_connections
 
@@ -526,6 +561,9 @@ def section_latency() -> None:
               f"errors: {len(errors)}")
         for error in errors[:10]:
             print(f"      {error}")
+        return {"post_to_first_step_p50_ms": 1000 * pct(to_step, 50), "post_to_first_step_p95_ms": 1000 * pct(to_step, 95),
+                "tasks_per_second": len(completed) / span if completed else 0.0, "errors": len(errors),
+                "inflight_tasks": n_inflight}
     finally:
         stack.stop()
     print(f"  (logs of the web server, workers and sweeper: {logs})")
@@ -533,22 +571,33 @@ def section_latency() -> None:
 
 # --- Main --------------------------------------------------------------------------------
 
-def parse_sections(argv) -> list[str]:
+def parse_args(argv) -> tuple[list[str], bool]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default=os.environ.get("BENCH_ONLY", ""),
                         help=f"comma-separated sections to run: {', '.join(SECTIONS)}")
     parser.add_argument("--skip", default=os.environ.get("BENCH_SKIP", ""), help="comma-separated sections to skip")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="write the summary into docs/benchmarks.md and the README (between their markers)")
     args = parser.parse_args(argv)
     names = lambda text: [s.strip() for s in text.split(",") if s.strip()]  # noqa: E731
     for name in names(args.only) + names(args.skip):
         if name not in SECTIONS:
             parser.error(f"unknown section {name!r}; sections: {', '.join(SECTIONS)}")
     chosen = names(args.only) or list(SECTIONS)
-    return [s for s in SECTIONS if s in chosen and s not in names(args.skip)]
+    return [s for s in SECTIONS if s in chosen and s not in names(args.skip)], args.write_docs
+
+
+def machine_line(pg_version: str) -> str:
+    """Where the figures were taken: the CPU, its cores, memory, PostgreSQL."""
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    memory = next((int(line.split()[1]) // (1024 * 1024) for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal")), 0) if Path("/proc/meminfo").exists() else 0
+    return f"{os.cpu_count()} cores ({model}), {memory} GiB, PostgreSQL {pg_version}, Python {sys.version.split()[0]}"
 
 
 def main(argv=None):
-    sections = parse_sections(argv)
+    sections, write_docs = parse_args(argv)
     os.environ.setdefault("DATABASE_URL", DEFAULT_DATABASE_URL)
     if not os.environ["DATABASE_URL"].startswith(("postgres://", "postgresql://")):
         print(f"bench/compare.py measures PostgreSQL; DATABASE_URL is {os.environ['DATABASE_URL']!r}")
@@ -577,34 +626,34 @@ def main(argv=None):
           f"heartbeat {settings.ORCH_HEARTBEAT_SECONDS:g} s, control poll {settings.ORCH_CONTROL_POLL_SECONDS:g} s, "
           f"snapshot retention {settings.ORCH_SNAPSHOT_KEEP}; {os.cpu_count()} CPUs; sections: {', '.join(sections)}")
 
+    runs = max(1, env_int("BENCH_RUNS", 3))
     side = [s for s in ("ours", "dbos", "langgraph") if s in sections]
-    if side:
-        print(f"\n== Side by side: {steps} trivial steps in one workflow/graph/task, run in this process ==")
-        print("  (commits = PostgreSQL transactions, pg_stat_database.xact_commit; bytes = pg_total_relation_size growth)")
-        results: dict[str, Figures | None] = {}
-        if "ours" in sections:
-            for figures in section_ours(bench, steps):
-                results[figures.label] = figures
-        if "dbos" in sections:
-            results["dbos"] = section_dbos(bench, steps)
-        if "langgraph" in sections:
-            results["langgraph"] = section_langgraph(bench, steps)
-        if any(results.values()):
+    report = Report(runs=runs, steps=steps, machine=machine_line(version))
+    for run in range(1, runs + 1):
+        if side:
+            print(f"\n== Side by side, run {run} of {runs}: {steps} trivial steps in one workflow/graph/task, "
+                  "run in this process ==")
+            print("  (commits = PostgreSQL transactions, pg_stat_database.xact_commit; "
+                  "bytes = pg_total_relation_size growth)")
+            results: list[Figures] = [section_floor(bench, steps)]
+            if "ours" in sections:
+                results += section_ours(bench, steps)
+            if "dbos" in sections:
+                results.append(section_dbos(bench, steps))
+            if "langgraph" in sections:
+                results += [section_langgraph(bench, steps, "sync"), section_langgraph(bench, steps, "async")]
             print(HEADER)
-        for figures in results.values():
-            if figures is not None:
+            for figures in filter(None, results):
                 print(figures.line())
                 print(figures.details())
-        our_results = [f for f in results.values() if f is not None and f.label.startswith("ours")]
-        peers = [results.get(name) for name in ("dbos", "langgraph") if results.get(name) is not None]
-        if our_results and peers:
-            print("  ratios, ours / peer (above 1: ours costs more):")
-            for mine in our_results:
-                for peer in peers:
-                    print(f"    {mine.label:<24} vs {peer.label.split(' +')[0]:<16}: time x{mine.ms / peer.ms:.2f}, "
-                          f"commits x{mine.commits / peer.commits:.2f}, bytes x{mine.bytes / peer.bytes:.2f}")
-    if "latency" in sections:
-        section_latency()
+                report.add_step_figures(figures)
+        if "latency" in sections:
+            report.add_latency(section_latency())
+    print()
+    print(report.text())
+    if write_docs:
+        for path in report.write_docs(ROOT):
+            print(f"  written: {path.relative_to(ROOT)}")
     if "scale" in sections:  # last: its 10,000-step run is the longest
         sizes = [n for n in (100, 1_000, 10_000) if not cap or n <= cap]
         section_scale(bench, sizes)
