@@ -56,7 +56,7 @@ SPAN_FIELDS = ("task_id", "checkpoint_version", "event_id", "lease_epoch", "reco
 OUTCOME_FIELDS = ("task_id", "checkpoint_version", "event_id", "lease_epoch", "recovery_attempt", "resume_strategy")
 
 
-def _truthy(value: str | None) -> bool:
+def truthy(value: str | None) -> bool:
     """conf.boolean's true words; anything else is false (OTEL_SDK_DISABLED is OpenTelemetry's,
     which reads an unknown value as false; ORCH_OTEL_CONSOLE was already refused at start-up
     by conf.from_environment if it was not true or false)."""
@@ -74,8 +74,8 @@ def configure(environ=None) -> bool:
     global _provider
     env = os.environ if environ is None else environ
     endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    console = _truthy(env.get("ORCH_OTEL_CONSOLE"))
-    if not (endpoint or console) or _truthy(env.get("OTEL_SDK_DISABLED")):
+    console = truthy(env.get("ORCH_OTEL_CONSOLE"))
+    if not (endpoint or console) or truthy(env.get("OTEL_SDK_DISABLED")):
         return False
     with _lock:
         if _provider is not None:

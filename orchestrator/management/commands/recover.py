@@ -1,5 +1,6 @@
 from django.core.management.base import BaseCommand
 
+from orchestrator import otlp_metrics
 from orchestrator.engine.recovery import sweep, sweep_loop
 from orchestrator.notifications import courier
 
@@ -16,6 +17,11 @@ class Command(BaseCommand):
         if loop:
             self.stdout.write("sweeping for stale tasks (Ctrl-C stops)")
             courier.start(min(interval or 1.0, 1.0))
-            sweep_loop(interval)
+            if otlp_metrics.start():  # where an OTLP endpoint is configured (orchestrator/otlp_metrics.py)
+                self.stdout.write("pushing the metrics over OTLP")
+            try:
+                sweep_loop(interval)
+            finally:
+                otlp_metrics.shutdown()
         recovered = sweep()
         self.stdout.write(f"recovered {len(recovered)} task(s): {', '.join(map(str, recovered)) or '-'}")
