@@ -8,7 +8,8 @@ re-sends a queued task that nobody claimed for ORCH_REQUEUE_AFTER_SECONDS
 
 A message is a turn on a worker slot rather than an order to run that very task: a worker
 runs a task being recovered before the one its message names, and hands that one to the
-broker again (`send_again`; worker.drive_task and lease.claim_recovering say why)."""
+broker again, ahead of the queue (`send_again`; worker.drive_task and lease.claim_recovering
+say why)."""
 import logging
 
 from django.db import transaction
@@ -29,13 +30,15 @@ def enqueue(task_id: int) -> None:
 def send_again(task_id: int) -> bool:
     """A worker used this task's message to run a recovering task: send it again, if it is
     still waiting for a worker (not claimed meanwhile through a duplicate message, not
-    finished). It goes to the back of the queue; a task's turn is taken at most once per
-    recovery, so none starves. False when there was nothing to send or the broker is down (then
-    the sweeper re-sends it after ORCH_REQUEUE_AFTER_SECONDS, as for a lost message)."""
+    finished). It goes to the FRONT of the queue (send_first): its message had reached a worker,
+    so it had waited its turn already. (It used to go to the back: under a backlog of 900
+    messages, bench/hosts.py saw such a task not run within 120 s.) False when there was
+    nothing to send or the broker is down (then the sweeper re-sends it after
+    ORCH_REQUEUE_AFTER_SECONDS, as for a lost message)."""
     if not Task.objects.filter(pk=task_id, status__in=(S.QUEUED, S.RUNNING), lease_owner="").update(
             enqueued_at=timezone.now()):
         return False
-    return send(task_id)
+    return send_first(task_id)
 
 
 try:

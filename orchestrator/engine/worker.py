@@ -19,7 +19,8 @@ def drive_task(task_id: int) -> str:
     # A task being recovered runs before the one this message names, which may have waited
     # behind a long queue while the recovered task's own message is at its back (a dead
     # host's tasks would run again only once every queued task had had its turn): see
-    # lease.claim_recovering. The named task is not dropped: it is sent again (to the back).
+    # lease.claim_recovering. The named task is not dropped: it is sent again, to the front (its
+    # message had waited its turn).
     lease = claim_recovering()
     if lease is not None and lease.task_id != task_id:
         scheduler.send_again(task_id)
