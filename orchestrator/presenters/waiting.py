@@ -28,12 +28,15 @@ from ..primitives.redaction import redact_text
 from .waits import duration_text
 
 # Kinds, as the API names them.
-KINDS = ("approval", "review", "event", "timer", "tool", "llm", "step", "lease", "control", "recovery", "queue",
-         "budget", "paused", "needs_human")
+KINDS = ("approval", "review", "event", "dependency", "timer", "tool", "llm", "step", "lease", "control", "recovery",
+         "queue", "budget", "paused", "needs_human")
 # What the running step does, most telling first (Task.activities' kinds: primitives/cancellation.track).
 ACTIVITY_ORDER = {"tool": 0, "subprocess": 1, "smtp": 2, "mcp": 2, "http": 2, "llm": 3, "subtask": 4, "step": 5}
 # Arguments of a proposed call that say what it acts on, in the order looked for.
 TARGET_ARGUMENTS = ("to", "recipients", "recipient", "url", "path", "command", "query", "name")
+# Awaited events that say another thing is ready, and the payload key that names which: a wait
+# for one that names it (`match`) is a dependency (demo.pipeline's `wait_for_upstream`).
+DEPENDENCY_EVENTS = {"upstream.ready": ("resource", "the upstream data set")}
 LIMIT_WORDS = {"max_steps": "step limit", "max_tokens": "token limit", "max_seconds": "time limit",
                "max_subtasks": "subtask limit"}
 # Stalled: a step running k × the p95 of its type's step durations (ORCH_STALL_FACTOR), once the
@@ -258,6 +261,12 @@ def _waits(task: Task, now: datetime) -> WaitingOn:
         return WaitingOn("timer", f"waiting for a timer: wakes at {clock(deadline, now)} "
                                   f"(in {ago(now, deadline) if deadline > now else 'a moment'})",
                          since=since, deadline=deadline)
+    depends = [found for found in (_dependency(w) for w in waits) if found]
+    if depends:
+        steps = ", ".join(str(w.get("step")) for w in waits if w.get("step"))
+        more = f" (and {len(depends) - 1} more)" if len(depends) > 1 else ""
+        return WaitingOn("dependency", f"waiting for {depends[0]} to be ready{more} since {clock(since, now)}"
+                         + (f" (step {steps})" if steps else "") + until, since=since, deadline=deadline)
     types = []
     for wait in waits:
         name = str(wait.get("type") or "an event")
@@ -267,6 +276,16 @@ def _waits(task: Task, now: datetime) -> WaitingOn:
     what = "the event " + types[0] if len(types) == 1 else "the events " + ", ".join(types)
     return WaitingOn("event", f"waiting for {what} since {clock(since, now)}" + (f" (step {steps})" if steps else "")
                      + until, since=since, deadline=deadline)
+
+
+def _dependency(wait: dict) -> str:
+    """What a wait depends on, for people ("the upstream data set sales-2026 (upstream.ready)"), or
+    "" when it is a plain event wait (it does not name what it waits for)."""
+    known = DEPENDENCY_EVENTS.get(str(wait.get("type")))
+    match = wait.get("match") if isinstance(wait.get("match"), dict) else {}
+    if not known or match.get(known[0]) in (None, ""):
+        return ""
+    return f"{known[1]} {match[known[0]]} ({wait.get('type')})"
 
 
 def _paused(task: Task, now: datetime, facts: Facts) -> WaitingOn:
@@ -334,7 +353,6 @@ ACTIVITY_TEXT = {
     "http": ("tool", "waiting on {label}"),
     "mcp": ("tool", "calling the MCP server ({label})"),
     "llm": ("llm", "streaming from the model"),
-    "subtask": ("step", "running subtask {label}"),
 }
 
 
@@ -352,6 +370,12 @@ def _activity(task: Task, activities: list[dict], now: datetime, facts: Facts) -
         if kind == "tool":
             pid = pid_match.group(1) if pid_match else task.worker_pid
             return "tool", f"running {label}" + (f" (pid {pid})" if pid else "") + took, since
+        if kind == "subtask":  # the step waits for its subtasks' results (context.spawn)
+            subtasks = [a for a in activities if a.get("kind") == "subtask"]
+            step = next((a for a in activities if a.get("kind") == "step"), None)
+            whose = f"step {step.get('label')}" if step and step.get("label") else "the step"
+            more = f" (and {len(subtasks) - 1} more)" if len(subtasks) > 1 else ""
+            return "dependency", f"{whose} waits for its subtask {label}{more}{took}", since
         if kind in ACTIVITY_TEXT:
             shown_as, text = ACTIVITY_TEXT[kind]
             return shown_as, text.format(label=label) + took, since
