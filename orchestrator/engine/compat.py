@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from ..models import Task, TaskStatus as S
 from ..tasktypes import UnknownTaskType, get_type
 from ..tasktypes.base import RESUME_POLICIES
-from ..tasktypes.fingerprint import ABSENT
+from ..tasktypes.fingerprint import ABSENT, asking_afresh, carry_unknown, comparable, unknown_servers
 from . import states
 from .audit import audit
 from .events import append_event
@@ -78,7 +78,7 @@ def fingerprint(task: Task, params: dict | None = None, task_type=None) -> dict:
 def record(task: Task, *, task_type=None, params: dict | None = None) -> bool:
     """Set `task.compat` to the fingerprint of the code running now (the caller saves the row,
     `compat` among its fields); returns whether it changed."""
-    found = fingerprint(task, params, task_type)
+    found = carry_unknown(task.compat or {}, fingerprint(task, params, task_type))
     if found == task.compat:
         return False
     task.compat = found
@@ -117,7 +117,10 @@ def describe(key: str, before, after) -> str:
 def differences(recorded: dict, current: dict) -> list[dict]:
     """What changed between two fingerprints, key by key ({"key", "before", "after", "text"})."""
     found = []
+    unknown = unknown_servers(recorded, current)  # MCP servers that could not be asked: not compared
     for key in [*recorded, *(k for k in current if k not in recorded)]:
+        if not comparable(key, unknown):
+            continue
         before, after = recorded.get(key), current.get(key)
         if before != after:
             found.append({"key": key, "before": before, "after": after, "text": describe(key, before, after)})
@@ -136,7 +139,8 @@ def check(task: Task) -> Gate:
     policy = policy_of(task_type)
     if not task.compat:
         return Gate(policy=policy)
-    current = fingerprint(task, task_type=task_type)
+    with asking_afresh():  # an MCP server's tools as the server has them now, not a cached listing
+        current = fingerprint(task, task_type=task_type)
     return Gate(policy=policy, differences=differences(task.compat, current), recorded=True, current=current)
 
 
