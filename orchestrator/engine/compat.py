@@ -3,7 +3,7 @@ different code (issue 24, item 7; docs/operating.md "Resuming after a deploy").
 
 A task records the fingerprint of the code it runs against (`Task.compat`, tasktypes/
 fingerprint.py: the type's declared version, a digest of its plan function, the schemas of its
-tools; an agent's prompts and model too). `record` is its one writer: when a run starts
+tools; an agent's prompts, model and MCP tools too). `record` is its one writer: when a run starts
 (checkpoint.ensure_plan) and when a resume admits the new code. Every way a paused task
 continues (resume, edit & resume, rollback, skip a step) passes `admit` with the task locked:
 it compares the recorded fingerprint with the code's now and follows the type's
@@ -16,6 +16,9 @@ it compares the recorded fingerprint with the code's now and follows the type's
   (validated; audited as `task.migrate`); a migrate that raises refuses the resume.
 
 A task with no fingerprint (it never ran, or paused before this gate existed) resumes as before.
+A task that continues without an operator (recovered, woken, handed over between slices) meets
+the same policy at its run's start (engine/run_gate.py). An agent's MCP tools are in the
+fingerprint; a server that cannot be asked is not compared (tasktypes/fingerprint.py).
 """
 from dataclasses import dataclass, field
 
