@@ -45,13 +45,14 @@ def how_it_continues(task) -> str:
     return "continuing on a worker"
 
 
-def at_run_start(*, lease: Lease, task_type) -> RunGate:
-    """Before a run loads its plan: the gate, with the task locked and the lease checked.
-    Raises LeaseLost like the rest of the run's start."""
+def at_run_start(*, lease: Lease, task, task_type) -> RunGate:
+    """Before a run loads its plan: the gate. `task` is the row the run read at its start: the
+    common case (nothing changed) costs no query; otherwise the task is locked, the lease
+    checked (LeaseLost like the rest of the run's start) and the gate asked again."""
+    if not task.compat or compat.check(task).compatible:
+        return RunGate()  # never ran (or ran before the gate existed: ensure_plan records it), or unchanged
     with transaction.atomic():
         task = lock_fenced(lease)
-        if not task.compat:
-            return RunGate()  # never ran (or ran before the gate existed): recorded by ensure_plan
         gate = compat.check(task)
         if gate.compatible:
             return RunGate()

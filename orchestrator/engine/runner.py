@@ -392,9 +392,10 @@ class Runner:
         self.starts_held = bool(task.control)  # a request made between slices: the supervisor acknowledges it
         try:
             # Code changed since the task last ran (a deploy): the type's policy first (engine/run_gate.py).
-            gate = retry_while_down(lambda: run_gate.at_run_start(lease=self.lease, task_type=task_type),
-                                    seconds=harness.database_retry_seconds, logger=log, what="the compatibility gate",
-                                    extra={"task_id": task.pk})
+            gate = retry_while_down(
+                lambda: run_gate.at_run_start(lease=self.lease, task=task, task_type=task_type),
+                seconds=harness.database_retry_seconds, logger=log, what="the compatibility gate",
+                extra={"task_id": task.pk})
             if gate.held:
                 return gate.held
             if gate.params is not None:

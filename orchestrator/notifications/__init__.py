@@ -3,8 +3,8 @@
 Five events: `approval.requested` (an agent's tool call waits for a reviewer),
 `review.opened` (a side effect's outcome is unknown), `approval.expired` (nobody decided in
 time), `task.needs_human` and `task.stalled` (running, but no progress for ORCH_STALL_FACTOR ×
-its type's p95 step duration: engine/stalls.py, told once per stall). `notify(event, ...)` is called by the code that creates the
-item, inside its transaction, and does two things:
+its type's p95 step duration: engine/stalls.py, told once per stall). `notify(event, ...)` is
+called by the code that creates the item, inside its transaction, and does two things:
 
 - an email to the people of the role that can act (reviewers for approvals and review items,
   operators for needs_human; or the group an expiry escalates to), with a link to the item.
