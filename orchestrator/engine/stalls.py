@@ -98,7 +98,6 @@ def is_stalled(task: Task, now: datetime, after: dict[str, float]) -> tuple[bool
 STALL_FIELDS = ("pk", "type", "status", "lease_owner", "activities", "claimed_at", "stalled_since")
 
 
-
 def running_tasks() -> list[Task]:
     """The tasks a lease holder runs now (at most SWEEP_LIMIT, oldest first), with the columns
     `is_stalled` reads."""

@@ -6,7 +6,8 @@ and the API (`waiting_on`) all show what `waiting_on` computes here; the templat
 Every reason is read from durable rows, never from a process's memory: the task's status and
 its columns (waiting_for, waiting_until, paused_by_limit, status_reason, the lease and its
 heartbeat, `activities` — what the running step does, published with each heartbeat), its open
-review items (an approval, a side effect in doubt), the in-flight model call's row (an agent's
+review items (an approval, a side effect in doubt), what a wait depends on (an upstream data
+set named by the awaited event; a step's running subtasks), the in-flight model call's row (an agent's
 stream: AgentMessage), the queue (unclaimed tasks by hand-over time), the operator's pause (the
 audit), and the step durations of the task's type (a *stalled* task). A finished task waits on
 nothing (None).
@@ -40,6 +41,7 @@ DEPENDENCY_EVENTS = {"upstream.ready": ("resource", "the upstream data set")}
 LIMIT_WORDS = {"max_steps": "step limit", "max_tokens": "token limit", "max_seconds": "time limit",
                "max_subtasks": "subtask limit"}
 # Stalled: engine/stalls.py decides (ORCH_STALL_FACTOR × the p95 of the type's step durations).
+
 
 @dataclass(frozen=True)
 class WaitingOn:
