@@ -145,3 +145,20 @@ def test_a_waiting_task_woken_by_its_event_after_a_deploy_waits_for_an_operator(
     wait_for(completed, timeout=30, interval=0.2, message="the accepted task to complete")
     assert Step.objects.get(task=task, step_id="stage-01").result["upstream"] == {"resource": "sales"}
     assert not TaskEvent.objects.filter(task=task, kind="compat_held").exclude(pk=held.pk).exists()
+
+
+@pytest.mark.task_types("tests.support.testtypes")
+def test_a_waiting_task_woken_by_its_timer_after_a_deploy_waits_for_an_operator(monkeypatch, operator):
+    task = services.task_create(type="test.approval", params={"timeout": 0.5})
+    assert drive_inline(task.pk) == "waiting"
+    monkeypatch.setattr(type(get_type("test.approval")), "version", "2")  # the deploy
+    wait_for(lambda: recovery.wake_expired_waits() == [task.pk], timeout=30, interval=0.1,
+             message="the wait's timer to fire")
+    assert drive_inline(task.pk) == "needs_human"
+    task = Task.objects.get(pk=task.pk)
+    assert "the task type's version changed: 1 → 2" in task.status_reason
+    assert "woken from its wait" in task.status_reason
+    assert Step.objects.get(task=task, step_id="await").status == "pending"
+    services.task_resume(task_id=task.pk, accept_changes=True, actor=operator)
+    assert drive_inline(task.pk) == "completed"
+    assert Step.objects.get(task=task, step_id="finish").result == "not paid"  # the timer's outcome, kept
