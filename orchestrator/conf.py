@@ -129,7 +129,8 @@ TABLE: tuple[Setting, ...] = (
     Setting("ORCH_STALL_FACTOR", float, 5.0,
             "a running task whose current step has run this many times the p95 of its type's step durations (at "
             "least 10 s, once the type has 5 finished steps) is marked *stalled* on the list, its page and the API "
-            "(`waiting_on.stalled`); 0: never"),
+            "(`waiting_on.stalled`), counted in `orch_tasks_stalled`, and its operators are told once per stall "
+            "(`task.stalled`); 0: never"),
     Setting("ORCH_SLICE_SECONDS", float, 60.0, "a worker drives one task this long, then re-enqueues it (fairness)"),
     Setting("ORCH_MAX_RECOVERY_ATTEMPTS", int, 3, "recoveries per task before it `needs_human`"),
     Setting("ORCH_RECOVERY_TIMEOUT_SECONDS", float, 300.0,

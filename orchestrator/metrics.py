@@ -9,6 +9,9 @@ one window (step durations) and over the groups the aggregates return.
 The metric names (docs/deployment.md, "Metrics"; deploy/grafana-dashboard.json uses them):
 
 - `orch_tasks{status,type}`: tasks by status and type.
+- `orch_tasks_stalled{type}`: running tasks whose current step has made no progress for
+  ORCH_STALL_FACTOR × the p95 of their type's step durations (engine/stalls.py: the same test
+  as the task list's badge), by type; a type with tasks running and none stalled reads 0.
 - `orch_step_duration_seconds{task_type,quantile}`: p50 / p95 / max (quantile "1") of the
   durations of steps done in the last `STEP_DURATION_WINDOW_SECONDS`, and
   `orch_step_duration_sample_steps{task_type}`: how many steps that sample holds.
@@ -44,6 +47,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from review.models import ReviewItem, ReviewStatus
+
+from .engine import stalls
 
 from .models import (
     InboundEvent, InboundState, ModelCallAttempt, RetentionRun, Step, StepStatus, Task, TaskEvent, TaskStatus,
@@ -133,6 +138,7 @@ class DatabaseCollector:
         started = time.perf_counter()
         now = timezone.now()
         yield from self.tasks()
+        yield from self.stalled(now)
         yield from self.steps(now)
         yield from self.recoveries(now)
         yield from self.reviews(now)
@@ -147,6 +153,18 @@ class DatabaseCollector:
         family = GaugeMetricFamily("orch_tasks", "Tasks by status and type.", labels=["status", "type"])
         for row in Task.objects.order_by().values("status", "type").annotate(n=Count("id")):
             family.add_metric([row["status"], row["type"]], row["n"])
+        yield family
+
+    def stalled(self, now):
+        family = GaugeMetricFamily("orch_tasks_stalled",
+                                   "Running tasks with no progress for ORCH_STALL_FACTOR x the p95 of their type's "
+                                   "step durations, by type.", labels=["type"])
+        tasks = stalls.running_tasks()
+        counts = dict.fromkeys(sorted({t.type for t in tasks}), 0)
+        for task, _, _ in stalls.stalled_among(tasks, now):
+            counts[task.type] += 1
+        for type_name, n in counts.items():
+            family.add_metric([type_name], n)
         yield family
 
     def steps(self, now):

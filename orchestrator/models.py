@@ -90,6 +90,9 @@ class Task(models.Model):
     # Set when a recovery starts, cleared once a runner has the task going again: a
     # recovery older than ORCH_RECOVERY_TIMEOUT_SECONDS hands the task to a human.
     recovering_since = models.DateTimeField(null=True, blank=True)
+    # A stall its operators were told of (engine/stalls.py): when the stalled step's progress
+    # began; null when not stalled. The sweeper's compare-and-set on it tells each stall once.
+    stalled_since = models.DateTimeField(null=True, blank=True)
 
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                                    related_name="tasks")
@@ -651,7 +654,7 @@ class NotificationSubscription(models.Model):
     secret = models.CharField(max_length=200, help_text="whsec_<base64>: the receiver verifies with it")
     events = models.JSONField(default=list, blank=True,
                               help_text="event names to deliver (approval.requested, review.opened, "
-                                        "approval.expired, task.needs_human); empty: all")
+                                        "approval.expired, task.needs_human, task.stalled); empty: all")
     enabled = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
 

@@ -100,6 +100,44 @@ def test_an_event_wait_names_the_type_the_step_and_the_deadline():
     assert (found.deadline, found.link) == (until, "")
 
 
+def test_a_wait_for_an_upstream_data_set_is_a_dependency_naming_it():
+    now = timezone.now()
+    task = new_task(status="waiting", waiting_for=[
+        {"step": "stage-01", "type": "upstream.ready", "until": None, "match": {"resource": "sales-2026-12"}}])
+    found = waiting_on(task, now)
+    assert found.kind == "dependency"
+    assert found.text == (f"waiting for the upstream data set sales-2026-12 (upstream.ready) to be ready since "
+                          f"{hhmm(task.updated_at)} (step stage-01)")
+
+
+def test_a_step_waiting_for_its_subtasks_is_a_dependency():
+    now = timezone.now()
+    task = running(now, activities=[{"kind": "step", "label": "batch", "since": now.timestamp() - 20},
+                                    {"kind": "subtask", "label": "batch/sub-1", "since": now.timestamp() - 12},
+                                    {"kind": "subtask", "label": "batch/sub-2", "since": now.timestamp() - 5}])
+    found = waiting_on(task, now)
+    assert found.kind == "dependency"
+    assert found.text.startswith("step batch waits for its subtask batch/sub-2 (and 1 more) for 5 s · worker host-a")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pipeline_waiting_for_its_upstream_says_so_in_the_list_the_page_and_the_api(viewer):
+    """A real demo.pipeline, run inline until its first stage parks on `upstream.ready`."""
+    from orchestrator.engine.worker import drive_inline
+
+    task = services.task_create(type="demo.pipeline", params={"stages": 1, "seconds_per_stage": 0.05,
+                                                              "wait_for_upstream": "sales-2026-12"})
+    assert drive_inline(task.pk) == "waiting"
+    task = Task.objects.get(pk=task.pk)
+    expected = waiting_on(task)
+    assert expected.kind == "dependency" and "upstream data set sales-2026-12" in expected.text
+    row = re.search(rf'<tr[^>]*data-task-id="{task.pk}".*?</tr>', page(viewer, "/"), re.S).group(0)
+    assert 'data-kind="dependency"' in row and "upstream data set sales-2026-12" in row
+    assert "upstream data set sales-2026-12" in " ".join(shown_lines(page(viewer, f"/tasks/{task.pk}/")))
+    shown = Client().get(f"/api/tasks/{task.pk}", **bearer(viewer)).json()["waiting_on"]
+    assert shown["kind"] == "dependency" and shown["text"] == expected.text
+
+
 def test_a_timer_says_when_it_wakes():
     now = timezone.now()
     task = new_task(status="waiting", waiting_for=[], waiting_until=now + timedelta(minutes=12))

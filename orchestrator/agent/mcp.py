@@ -84,10 +84,24 @@ def find(name: str) -> toolbox.AgentTool | None:
         return None
     if listed is None:
         return None
+    return _agent_tool(config, name, listed)
+
+
+def _agent_tool(config: mcp.ServerConfig, name: str, listed: mcp.ListedTool) -> toolbox.AgentTool:
     effect = mcp.effect_class(listed.annotations, config.effect_override(listed.name))
     description = listed.description or f"{listed.name} (a tool of the MCP server {config.name})"
     return toolbox.AgentTool(name, description, None, _runner(config.name, listed.name, effect), effect=effect,
                              parameters=listed.input_schema)
+
+
+def agent_tools(server: str, *, refresh: bool = False) -> dict[str, toolbox.AgentTool]:
+    """{offered name: agent tool} of every tool a declared server has now ({} when it is not
+    declared; ToolError when it cannot be reached): what a task's fingerprint digests
+    (tasktypes/fingerprint.py), with the effect class the harness gives each."""
+    config = mcp.server(server)
+    if config is None:
+        return {}
+    return {name: _agent_tool(config, name, listed) for name, listed in _listing(config, refresh=refresh).items()}
 
 
 def names() -> list[str]:

@@ -74,7 +74,8 @@ class StepResultOut(Schema):
 
 
 class WaitingOnOut(Schema):
-    kind: str = Field(..., description="approval, review (a side effect in doubt), event, timer, tool (a tool, a "
+    kind: str = Field(..., description="approval, review (a side effect in doubt), event, dependency (an upstream "
+                                       "data set the task waits for, or a step's subtasks), timer, tool (a tool, a "
                                        "subprocess, a request the running step makes), llm (a model stream), step, "
                                        "lease (running), control (pausing or stopping), recovery, queue, budget (a "
                                        "limit paused it), paused (an operator), needs_human")

@@ -3,7 +3,7 @@ different code (issue 24, item 7; docs/operating.md "Resuming after a deploy").
 
 A task records the fingerprint of the code it runs against (`Task.compat`, tasktypes/
 fingerprint.py: the type's declared version, a digest of its plan function, the schemas of its
-tools; an agent's prompts and model too). `record` is its one writer: when a run starts
+tools; an agent's prompts, model and MCP tools too). `record` is its one writer: when a run starts
 (checkpoint.ensure_plan) and when a resume admits the new code. Every way a paused task
 continues (resume, edit & resume, rollback, skip a step) passes `admit` with the task locked:
 it compares the recorded fingerprint with the code's now and follows the type's
@@ -16,13 +16,16 @@ it compares the recorded fingerprint with the code's now and follows the type's
   (validated; audited as `task.migrate`); a migrate that raises refuses the resume.
 
 A task with no fingerprint (it never ran, or paused before this gate existed) resumes as before.
+A task that continues without an operator (recovered, woken, handed over between slices) meets
+the same policy at its run's start (engine/run_gate.py). An agent's MCP tools are in the
+fingerprint; a server that cannot be asked is not compared (tasktypes/fingerprint.py).
 """
 from dataclasses import dataclass, field
 
 from ..models import Task, TaskStatus as S
 from ..tasktypes import UnknownTaskType, get_type
 from ..tasktypes.base import RESUME_POLICIES
-from ..tasktypes.fingerprint import ABSENT
+from ..tasktypes.fingerprint import ABSENT, asking_afresh, carry_unknown, comparable, unknown_servers
 from . import states
 from .audit import audit
 from .events import append_event
@@ -78,7 +81,7 @@ def fingerprint(task: Task, params: dict | None = None, task_type=None) -> dict:
 def record(task: Task, *, task_type=None, params: dict | None = None) -> bool:
     """Set `task.compat` to the fingerprint of the code running now (the caller saves the row,
     `compat` among its fields); returns whether it changed."""
-    found = fingerprint(task, params, task_type)
+    found = carry_unknown(task.compat or {}, fingerprint(task, params, task_type))
     if found == task.compat:
         return False
     task.compat = found
@@ -117,7 +120,10 @@ def describe(key: str, before, after) -> str:
 def differences(recorded: dict, current: dict) -> list[dict]:
     """What changed between two fingerprints, key by key ({"key", "before", "after", "text"})."""
     found = []
+    unknown = unknown_servers(recorded, current)  # MCP servers that could not be asked: not compared
     for key in [*recorded, *(k for k in current if k not in recorded)]:
+        if not comparable(key, unknown):
+            continue
         before, after = recorded.get(key), current.get(key)
         if before != after:
             found.append({"key": key, "before": before, "after": after, "text": describe(key, before, after)})
@@ -136,7 +142,8 @@ def check(task: Task) -> Gate:
     policy = policy_of(task_type)
     if not task.compat:
         return Gate(policy=policy)
-    current = fingerprint(task, task_type=task_type)
+    with asking_afresh():  # an MCP server's tools as the server has them now, not a cached listing
+        current = fingerprint(task, task_type=task_type)
     return Gate(policy=policy, differences=differences(task.compat, current), recorded=True, current=current)
 
 

@@ -12,7 +12,8 @@ Each sweep also
   may be lost (a Redis restart, a crash between commit and send); a compare-and-set on
   `enqueued_at` makes one sweeper send it, and a claim ignores duplicates;
 - bounds recoveries: a task whose recovery began more than ORCH_RECOVERY_TIMEOUT_SECONDS ago
-  and that no runner has got going again becomes `needs_human` (and its operators are told).
+  and that no runner has got going again becomes `needs_human` (and its operators are told);
+- tells operators of stalled tasks, once per stall (engine/stalls.py).
 """
 import logging
 import time
@@ -26,7 +27,7 @@ from .. import telemetry
 from ..conf import harness
 from ..outage import DATABASE_DOWN, OutageWatch
 from ..models import IdempotencyRecord, Task, TaskStatus as S, WalEntry, WalStatus
-from . import approvals, retention, scheduler, states, stranded, wal
+from . import approvals, retention, scheduler, stalls, states, stranded, wal
 from .events import append_event
 from ..tasktypes import get_type
 
@@ -76,6 +77,7 @@ def sweep(requeue_budget: float | None = None, requeue: bool = True) -> list[int
     approvals.expire_due()
     if requeue:
         requeue_unclaimed(budget=requeue_budget)
+    stalls.sweep()  # tells operators of a stalled task once per stall (engine/stalls.py)
     return recovered
 
 

@@ -29,7 +29,7 @@ from ..conf import harness
 from ..outage import DATABASE_DOWN, OutageWatch, retry_while_down
 from ..models import InboundState, Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
-from . import checkpoint, inbox, lease as leases, preemption, recovery, results, scheduler, states, wal
+from . import checkpoint, inbox, lease as leases, preemption, recovery, results, run_gate, scheduler, states, wal
 from ..primitives.cancellation import CancellationToken, Cancelled
 from .context import LimitExceeded, StepContext, StepTimedOut, WaitForEvent
 from .lease import Lease, LeaseLost
@@ -391,6 +391,15 @@ class Runner:
         self.inbox_consumed_at = -1 if task.inbox_pending else task.inbox_seq  # events sent while it waited
         self.starts_held = bool(task.control)  # a request made between slices: the supervisor acknowledges it
         try:
+            # Code changed since the task last ran (a deploy): the type's policy first (engine/run_gate.py).
+            gate = retry_while_down(
+                lambda: run_gate.at_run_start(lease=self.lease, task=task, task_type=task_type),
+                seconds=harness.database_retry_seconds, logger=log, what="the compatibility gate",
+                extra={"task_id": task.pk})
+            if gate.held:
+                return gate.held
+            if gate.params is not None:
+                self.params = task_type.Params.model_validate(gate.params)
             self.plan = retry_while_down(
                 lambda: checkpoint.ensure_plan(lease=self.lease, task_type=task_type, params=self.params),
                 seconds=harness.database_retry_seconds, logger=log, what="loading the plan",

@@ -1,9 +1,10 @@
 """Telling people that something waits for them (docs/notifications.md).
 
-Four events: `approval.requested` (an agent's tool call waits for a reviewer),
+Five events: `approval.requested` (an agent's tool call waits for a reviewer),
 `review.opened` (a side effect's outcome is unknown), `approval.expired` (nobody decided in
-time) and `task.needs_human`. `notify(event, ...)` is called by the code that creates the
-item, inside its transaction, and does two things:
+time), `task.needs_human` and `task.stalled` (running, but no progress for ORCH_STALL_FACTOR ×
+its type's p95 step duration: engine/stalls.py, told once per stall). `notify(event, ...)` is
+called by the code that creates the item, inside its transaction, and does two things:
 
 - an email to the people of the role that can act (reviewers for approvals and review items,
   operators for needs_human; or the group an expiry escalates to), with a link to the item.
@@ -25,12 +26,12 @@ from ..models import Task
 from ..primitives.redaction import redact_text
 from . import mail, outbox
 from .events import (
-    APPROVAL_EXPIRED, APPROVAL_REQUESTED, AUDIENCE, EVENTS, REVIEW_OPENED, TASK_NEEDS_HUMAN, Notice, item_path,
-    public_url,
+    APPROVAL_EXPIRED, APPROVAL_REQUESTED, AUDIENCE, EVENTS, REVIEW_OPENED, TASK_NEEDS_HUMAN, TASK_STALLED, Notice,
+    item_path, public_url,
 )
 
-__all__ = ["APPROVAL_EXPIRED", "APPROVAL_REQUESTED", "AUDIENCE", "EVENTS", "REVIEW_OPENED", "TASK_NEEDS_HUMAN", "Notice",
-           "notify", "notify_needs_human"]
+__all__ = ["APPROVAL_EXPIRED", "APPROVAL_REQUESTED", "AUDIENCE", "EVENTS", "REVIEW_OPENED", "TASK_NEEDS_HUMAN",
+           "TASK_STALLED", "Notice", "notify", "notify_needs_human"]
 
 log = logging.getLogger(__name__)
 

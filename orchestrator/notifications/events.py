@@ -1,4 +1,4 @@
-"""The four events, who is told of each, and what a notice says (orchestrator/notifications)."""
+"""The five events, who is told of each, and what a notice says (orchestrator/notifications)."""
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
@@ -10,11 +10,13 @@ APPROVAL_REQUESTED = "approval.requested"
 REVIEW_OPENED = "review.opened"
 APPROVAL_EXPIRED = "approval.expired"
 TASK_NEEDS_HUMAN = "task.needs_human"
-EVENTS = (APPROVAL_REQUESTED, REVIEW_OPENED, APPROVAL_EXPIRED, TASK_NEEDS_HUMAN)
+TASK_STALLED = "task.stalled"  # running, but no progress for k × its type's p95 step duration (engine/stalls.py)
+EVENTS = (APPROVAL_REQUESTED, REVIEW_OPENED, APPROVAL_EXPIRED, TASK_NEEDS_HUMAN, TASK_STALLED)
+TASK_EVENTS = (TASK_NEEDS_HUMAN, TASK_STALLED)  # about a task, linked to its page (not to a review item)
 
 # The role whose people can act on each event (Django groups, orchestrator/roles.py).
 AUDIENCE = {APPROVAL_REQUESTED: REVIEWER, REVIEW_OPENED: REVIEWER, APPROVAL_EXPIRED: REVIEWER,
-            TASK_NEEDS_HUMAN: OPERATOR}
+            TASK_NEEDS_HUMAN: OPERATOR, TASK_STALLED: OPERATOR}
 
 
 @dataclass(frozen=True)
@@ -49,4 +51,4 @@ def public_url(path: str) -> str:
 def item_path(event: str, *, task_id: int, item_id: int | None) -> str:
     # The public pages (DESIGN.md "Pages"): written out rather than reversed, so that a worker's
     # executor does not import the whole URL configuration (pages and API) to send a link.
-    return f"/review/{item_id}/" if item_id is not None and event != TASK_NEEDS_HUMAN else f"/tasks/{task_id}/"
+    return f"/review/{item_id}/" if item_id is not None and event not in TASK_EVENTS else f"/tasks/{task_id}/"

@@ -7,7 +7,9 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.mail import EmailMessage, get_connection
 
-from .events import APPROVAL_EXPIRED, APPROVAL_REQUESTED, REVIEW_OPENED, TASK_NEEDS_HUMAN, Notice, public_url
+from .events import (
+    APPROVAL_EXPIRED, APPROVAL_REQUESTED, REVIEW_OPENED, TASK_NEEDS_HUMAN, TASK_STALLED, Notice, public_url,
+)
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,7 @@ def subject(notice: Notice) -> str:
         REVIEW_OPENED: f"review needed: did {what} happen? (task #{notice.task_id})",
         APPROVAL_EXPIRED: f"approval expired: {what} in task #{notice.task_id}",
         TASK_NEEDS_HUMAN: f"task #{notice.task_id} needs a human",
+        TASK_STALLED: f"task #{notice.task_id} is stalled",
     }[notice.event]
 
 
@@ -37,6 +40,8 @@ def body(notice: Notice) -> str:
                         "decides before the task goes on."),
         APPROVAL_EXPIRED: f"Nobody decided the approval of {notice.tool} in {task} in time.",
         TASK_NEEDS_HUMAN: f"{task} needs a human.",
+        TASK_STALLED: (f"{task} is running, but its current step has made no progress for much longer than "
+                       f"this type's steps take: it may hang on a call, an upstream or a lock."),
     }[notice.event]
     lines = [lead, ""]
     if notice.reason:

@@ -6,7 +6,8 @@ and the API (`waiting_on`) all show what `waiting_on` computes here; the templat
 Every reason is read from durable rows, never from a process's memory: the task's status and
 its columns (waiting_for, waiting_until, paused_by_limit, status_reason, the lease and its
 heartbeat, `activities` — what the running step does, published with each heartbeat), its open
-review items (an approval, a side effect in doubt), the in-flight model call's row (an agent's
+review items (an approval, a side effect in doubt), what a wait depends on (an upstream data
+set named by the awaited event; a step's running subtasks), the in-flight model call's row (an agent's
 stream: AgentMessage), the queue (unclaimed tasks by hand-over time), the operator's pause (the
 audit), and the step durations of the task's type (a *stalled* task). A finished task waits on
 nothing (None).
@@ -15,32 +16,31 @@ nothing (None).
 kind of fact some task of the page needs), whatever the number of tasks."""
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone as dt_timezone
+from datetime import datetime
 
 from django.db.models import F
 from django.urls import reverse
 from django.utils import timezone
 
 from ..conf import harness
-from ..engine import states
-from ..models import AgentMessage, AuditEntry, Step, Task, TaskStatus as S
+from ..engine import stalls, states
+from ..models import AgentMessage, AuditEntry, Task, TaskStatus as S
 from ..primitives.redaction import redact_text
 from .waits import duration_text
 
 # Kinds, as the API names them.
-KINDS = ("approval", "review", "event", "timer", "tool", "llm", "step", "lease", "control", "recovery", "queue",
-         "budget", "paused", "needs_human")
+KINDS = ("approval", "review", "event", "dependency", "timer", "tool", "llm", "step", "lease", "control", "recovery",
+         "queue", "budget", "paused", "needs_human")
 # What the running step does, most telling first (Task.activities' kinds: primitives/cancellation.track).
 ACTIVITY_ORDER = {"tool": 0, "subprocess": 1, "smtp": 2, "mcp": 2, "http": 2, "llm": 3, "subtask": 4, "step": 5}
 # Arguments of a proposed call that say what it acts on, in the order looked for.
 TARGET_ARGUMENTS = ("to", "recipients", "recipient", "url", "path", "command", "query", "name")
+# Awaited events that say another thing is ready, and the payload key that names which: a wait
+# for one that names it (`match`) is a dependency (demo.pipeline's `wait_for_upstream`).
+DEPENDENCY_EVENTS = {"upstream.ready": ("resource", "the upstream data set")}
 LIMIT_WORDS = {"max_steps": "step limit", "max_tokens": "token limit", "max_seconds": "time limit",
                "max_subtasks": "subtask limit"}
-# Stalled: a step running k × the p95 of its type's step durations (ORCH_STALL_FACTOR), once the
-# type has this many finished steps to go by, and never before STALL_FLOOR_SECONDS.
-STALL_MIN_SAMPLES = 5
-STALL_SAMPLE_ROWS = 2000
-STALL_FLOOR_SECONDS = 10.0
+# Stalled: engine/stalls.py decides (ORCH_STALL_FACTOR × the p95 of the type's step durations).
 
 
 @dataclass(frozen=True)
@@ -88,27 +88,12 @@ def ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def _when(value) -> datetime | None:
-    if isinstance(value, datetime):
-        return value
-    if isinstance(value, (int, float)):
-        return datetime.fromtimestamp(value, tz=dt_timezone.utc)
-    if isinstance(value, str) and value:
-        try:
-            parsed = datetime.fromisoformat(value)
-        except ValueError:
-            return None
-        return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt_timezone.utc)
-    return None
-
-
 def _unclaimed(task: Task) -> bool:
     """Waiting for a worker: queued, or running with no lease (between time slices, or recovered)."""
     return task.status == S.QUEUED or (task.status == S.RUNNING and not task.lease_owner)
 
 
-def _running(task: Task) -> bool:
-    return task.status in states.ACTIVE and bool(task.lease_owner)
+_running = stalls.running
 
 
 class Facts:
@@ -142,29 +127,7 @@ class Facts:
             for entry in (AuditEntry.objects.filter(task_id__in=paused, action="task.pause")
                           .only("task_id", "actor_name", "at").order_by("at", "id")):
                 self.pauses[entry.task_id] = entry  # the latest per task
-        self.stall_after = stall_thresholds({t.type for t in tasks if _running(t)})
-
-
-def stall_thresholds(types: set[str]) -> dict[str, float]:
-    """Per task type, the seconds after which a running step is stalled: ORCH_STALL_FACTOR × the
-    p95 of its type's recent step durations (at least STALL_FLOOR_SECONDS); types with too few
-    finished steps, or a factor of 0, have none. One query for all the types."""
-    factor = harness.stall_factor
-    if not types or factor <= 0:
-        return {}
-    durations: dict[str, list[float]] = {}
-    for type_name, started, finished in (Step.objects.filter(task__type__in=types, status="done",
-                                                             started_at__isnull=False, finished_at__isnull=False)
-                                         .order_by("-id").values_list("task__type", "started_at", "finished_at")
-                                         [:STALL_SAMPLE_ROWS]):
-        durations.setdefault(type_name, []).append((finished - started).total_seconds())
-    thresholds = {}
-    for type_name, values in durations.items():
-        if len(values) >= STALL_MIN_SAMPLES:
-            values.sort()
-            p95 = values[min(len(values) - 1, int(0.95 * len(values)))]
-            thresholds[type_name] = max(STALL_FLOOR_SECONDS, factor * p95)
-    return thresholds
+        self.stall_after = stalls.thresholds({t.type for t in tasks if _running(t)})
 
 
 def waiting_on(task: Task, now: datetime | None = None, facts: Facts | None = None) -> WaitingOn | None:
@@ -258,6 +221,12 @@ def _waits(task: Task, now: datetime) -> WaitingOn:
         return WaitingOn("timer", f"waiting for a timer: wakes at {clock(deadline, now)} "
                                   f"(in {ago(now, deadline) if deadline > now else 'a moment'})",
                          since=since, deadline=deadline)
+    depends = [found for found in (_dependency(w) for w in waits) if found]
+    if depends:
+        steps = ", ".join(str(w.get("step")) for w in waits if w.get("step"))
+        more = f" (and {len(depends) - 1} more)" if len(depends) > 1 else ""
+        return WaitingOn("dependency", f"waiting for {depends[0]} to be ready{more} since {clock(since, now)}"
+                         + (f" (step {steps})" if steps else "") + until, since=since, deadline=deadline)
     types = []
     for wait in waits:
         name = str(wait.get("type") or "an event")
@@ -267,6 +236,16 @@ def _waits(task: Task, now: datetime) -> WaitingOn:
     what = "the event " + types[0] if len(types) == 1 else "the events " + ", ".join(types)
     return WaitingOn("event", f"waiting for {what} since {clock(since, now)}" + (f" (step {steps})" if steps else "")
                      + until, since=since, deadline=deadline)
+
+
+def _dependency(wait: dict) -> str:
+    """What a wait depends on, for people ("the upstream data set sales-2026 (upstream.ready)"), or
+    "" when it is a plain event wait (it does not name what it waits for)."""
+    known = DEPENDENCY_EVENTS.get(str(wait.get("type")))
+    match = wait.get("match") if isinstance(wait.get("match"), dict) else {}
+    if not known or match.get(known[0]) in (None, ""):
+        return ""
+    return f"{known[1]} {match[known[0]]} ({wait.get('type')})"
 
 
 def _paused(task: Task, now: datetime, facts: Facts) -> WaitingOn:
@@ -303,8 +282,6 @@ def _queued(task: Task, now: datetime, facts: Facts) -> WaitingOn:
 
 def _running_reason(task: Task, now: datetime, facts: Facts) -> WaitingOn:
     activities = [a for a in task.activities or [] if isinstance(a, dict)]
-    step = next((a for a in activities if a.get("kind") == "step"), None)
-    step_since = _when(step.get("since")) if step else None
     kind, what, since = _activity(task, activities, now, facts)
     lease = f"worker {task.worker_host or task.lease_owner}" + (f" (pid {task.worker_pid})" if task.worker_pid else "")
     if task.heartbeat_at is None:
@@ -314,9 +291,7 @@ def _running_reason(task: Task, now: datetime, facts: Facts) -> WaitingOn:
         beat = f"heartbeat {ago(task.heartbeat_at, now)} ago"
         if age > harness.stale_after_seconds:
             beat = f"no heartbeat for {ago(task.heartbeat_at, now)}: the sweeper will recover it"
-    stalled_after = facts.stall_after.get(task.type)
-    progress_since = step_since or task.claimed_at
-    stalled = bool(stalled_after and progress_since and (now - progress_since).total_seconds() > stalled_after)
+    stalled, progress_since, stalled_after = stalls.is_stalled(task, now, facts.stall_after)
     text = f"{what} · {lease}, {beat}"
     if stalled:
         text += f" · stalled: no step finished for {ago(progress_since, now)} (over {duration_text(stalled_after)})"
@@ -334,24 +309,29 @@ ACTIVITY_TEXT = {
     "http": ("tool", "waiting on {label}"),
     "mcp": ("tool", "calling the MCP server ({label})"),
     "llm": ("llm", "streaming from the model"),
-    "subtask": ("step", "running subtask {label}"),
 }
 
 
 def _activity(task: Task, activities: list[dict], now: datetime, facts: Facts) -> tuple[str, str, datetime | None]:
     """(kind, "running email_send (pid 1234) for 12 s", since) of what the running step does."""
     ranked = sorted((a for a in activities if a.get("kind") in ACTIVITY_ORDER),
-                    key=lambda a: (ACTIVITY_ORDER[a["kind"]], -(_when(a.get("since")) or now).timestamp()))
+                    key=lambda a: (ACTIVITY_ORDER[a["kind"]], -(stalls.when(a.get("since")) or now).timestamp()))
     subprocess = next((a for a in activities if a.get("kind") == "subprocess"), None)
     pid_match = re.match(r"pid (\d+)", str(subprocess.get("label", ""))) if subprocess else None
     attempt = facts.attempts.get(task.pk)
     if ranked:
         top = ranked[0]
-        kind, label, since = top["kind"], str(top.get("label", "")), _when(top.get("since"))
+        kind, label, since = top["kind"], str(top.get("label", "")), stalls.when(top.get("since"))
         took = f" for {ago(since, now)}" if since else ""
         if kind == "tool":
             pid = pid_match.group(1) if pid_match else task.worker_pid
             return "tool", f"running {label}" + (f" (pid {pid})" if pid else "") + took, since
+        if kind == "subtask":  # the step waits for its subtasks' results (context.spawn)
+            subtasks = [a for a in activities if a.get("kind") == "subtask"]
+            step = next((a for a in activities if a.get("kind") == "step"), None)
+            whose = f"step {step.get('label')}" if step and step.get("label") else "the step"
+            more = f" (and {len(subtasks) - 1} more)" if len(subtasks) > 1 else ""
+            return "dependency", f"{whose} waits for its subtask {label}{more}{took}", since
         if kind in ACTIVITY_TEXT:
             shown_as, text = ACTIVITY_TEXT[kind]
             return shown_as, text.format(label=label) + took, since

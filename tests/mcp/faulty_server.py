@@ -4,7 +4,7 @@ slowly (and note a cancellation), answer with an error, lose a tool between two 
 bearer token (streamable HTTP). Everything it sees goes to a journal (a JSON object a line):
 the tools called with their `_meta`, cancellations, and with --wire every line the client wrote.
 
-    python tests/mcp/faulty_server.py JOURNAL [--wire]                  # stdio
+    python tests/mcp/faulty_server.py JOURNAL [--wire] [--echo-v2]      # stdio (--echo-v2: echo takes `loud` too)
     python tests/mcp/faulty_server.py JOURNAL --http PORT --token TOKEN  # streamable HTTP
     python tests/mcp/faulty_server.py JOURNAL --malformed               # stdio, by hand: bad results
 """
@@ -87,11 +87,18 @@ def main() -> None:
     def called(name: str, ctx: Context, **arguments) -> None:
         note(called=name, arguments=arguments, meta=dict(ctx.request_context.meta or {}))
 
-    @server.tool(annotations=read_only)
-    def echo(text: str, ctx: Context) -> str:
-        """Say the text back."""
-        called("echo", ctx, text=text)
-        return f"echo: {text}"
+    if "--echo-v2" in sys.argv:  # a new version of the server: echo's signature changed
+        @server.tool(annotations=read_only)
+        def echo(text: str, loud: bool, ctx: Context) -> str:
+            """Say the text back."""
+            called("echo", ctx, text=text, loud=loud)
+            return f"echo: {text.upper() if loud else text}"
+    else:
+        @server.tool(annotations=read_only)
+        def echo(text: str, ctx: Context) -> str:
+            """Say the text back."""
+            called("echo", ctx, text=text)
+            return f"echo: {text}"
 
     @server.tool(annotations=read_only)
     async def slow(seconds: float, ctx: Context) -> str:
