@@ -34,7 +34,9 @@ from ..notifications import APPROVAL_REQUESTED, notify
 from ..primitives.errors import HarnessError
 from .audit import audit
 
-log = logging.getLogger(__name__)
+# Logged under the names the review queue used (log queries filter on them; not imports).
+requested_log = logging.getLogger("review.services")
+revoked_log = logging.getLogger("review.approvals")
 
 ON_EXPIRY = ("reject", "keep_waiting", "escalate")
 
@@ -102,7 +104,7 @@ def approval_open(*, task_id: int, step_id: str, tool: str, arguments: dict, con
                   "context": context[:20_000], "generation": generation, "policy": policy, **(schema or {})},
         reason=f"{tool} needs approval before it runs" + (f": {reason}" if reason else ""),
         **deadline_fields(policy))
-    log.info("approval requested", extra={"task_id": task_id, "step_id": step_id})
+    requested_log.info("approval requested", extra={"task_id": task_id, "step_id": step_id})
     notify(APPROVAL_REQUESTED, task_id=task_id, item_id=item.pk, tool=tool, reason=reason)
     return item
 
@@ -162,5 +164,5 @@ def revoke(*, task_id: int, reason: str, stale_steps_only: bool = False, steps: 
         close(item, status=ReviewStatus.REVOKED, decision="", note=reason[:500], result=None, actor=actor, now=now)
         audit(action="review.approval_revoked", actor=actor, task=task, reason=reason[:500],
               after={"review": item.pk, "tool": item.tool, "step": item.step_id})
-    log.info("approvals revoked", extra={"task_id": task_id})
+    revoked_log.info("approvals revoked", extra={"task_id": task_id})
     return [i.pk for i in items]

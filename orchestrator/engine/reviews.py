@@ -25,7 +25,10 @@ from . import approvals, inbox, scheduler, states, wal
 from .audit import audit
 from .events import append_event
 
-log = logging.getLogger(__name__)
+# The lines a reviewer's tooling reads keep the logger names they had when the review queue
+# wrote them (log queries and alerts filter on them): they are names, not imports.
+opened_log = logging.getLogger("review.services")
+approvals_log = logging.getLogger("review.approvals")
 
 EXPIRY_BATCH = 500  # items per sweep; the rest at the next one
 
@@ -63,14 +66,14 @@ def effect_open(*, entry: WalEntry, reason: str, dead_worker: str = "",
         existing.decided_by, existing.decided_at, existing.detected_at = None, None, timezone.now()
         existing.reason, existing.dead_worker, existing.evidence = reason, dead_worker, evidence
         existing.save()
-        log.warning("review reopened", extra={"task_id": entry.task_id, "wal_entry_id": entry.pk,
-                                              "resume_strategy": "awaiting_review"})
+        opened_log.warning("review reopened", extra={"task_id": entry.task_id, "wal_entry_id": entry.pk,
+                                                     "resume_strategy": "awaiting_review"})
         notify(REVIEW_OPENED, task_id=entry.task_id, item_id=existing.pk, tool=entry.tool, reason=reason)
         return existing
     item = ReviewItem.objects.create(task_id=entry.task_id, wal_entry=entry, reason=reason, dead_worker=dead_worker,
                                      evidence=evidence)
-    log.warning("review opened", extra={"task_id": entry.task_id, "wal_entry_id": entry.pk,
-                                        "resume_strategy": "awaiting_review"})
+    opened_log.warning("review opened", extra={"task_id": entry.task_id, "wal_entry_id": entry.pk,
+                                               "resume_strategy": "awaiting_review"})
     notify(REVIEW_OPENED, task_id=entry.task_id, item_id=item.pk, tool=entry.tool, reason=reason)
     return item
 
@@ -121,7 +124,7 @@ def expire_due(now=None) -> list[int]:
                 _expire(task, item, now)
             handled.append(item_id)
         except Exception:  # one item's trouble must not stop the others' deadlines
-            log.exception("approval expiry failed", extra={"task_id": task_id})
+            approvals_log.exception("approval expiry failed", extra={"task_id": task_id})
     return handled
 
 
@@ -159,7 +162,7 @@ def _expire(task: Task, item: ReviewItem, now) -> None:
           after={"review": item.pk, "fallback": item.on_expiry or OnExpiry.REJECT})
     notify(APPROVAL_EXPIRED, task_id=task.pk, item_id=item.pk, tool=item.tool, reason=note,
            extra={"fallback": OnExpiry.REJECT})
-    log.info("approval expired", extra={"task_id": task.pk, "step_id": item.step_id})
+    approvals_log.info("approval expired", extra={"task_id": task.pk, "step_id": item.step_id})
 
 
 def when(moment) -> str:
