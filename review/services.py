@@ -27,10 +27,9 @@ from .models import DECISIONS_BY_KIND, Decision, ReviewItem, ReviewKind, ReviewS
 log = logging.getLogger(__name__)
 
 
-# Opening an item is the engine's (engine/reviews.py, engine/approvals.py); these names stay
+# Opening an item is the engine's (engine/reviews.py, engine/approvals.py); this name stays
 # for the code and the tests that open one by hand.
 review_open = reviews.effect_open
-continue_if_nothing_to_review = reviews.continue_if_nothing_to_review
 
 
 def open_for_approval(sender=None, *, task_id: int, step_id: str, tool: str, arguments: dict, context: str = "",

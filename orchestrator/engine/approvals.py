@@ -20,9 +20,8 @@ task ended, or an edit or rollback reset the step that asked).
 """
 import hashlib
 import json
-from dataclasses import dataclass
-
 import logging
+from dataclasses import dataclass
 from datetime import timedelta
 
 from django.db import transaction
