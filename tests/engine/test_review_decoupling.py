@@ -61,6 +61,14 @@ def queue_lists(item: ReviewItem) -> bool:
     return item.pk in {i.pk for i in review_list(status="open", task_id=item.task_id)}
 
 
+def test_the_guard_sees_the_review_app_when_it_runs():
+    from review.selectors import review_list
+
+    with pytest.raises(AssertionError, match=r"review/selectors\.py:review_list"):
+        with review_app_not_consulted():
+            review_list()
+
+
 def test_the_core_has_no_signal_and_no_lookup_of_the_review_app():
     found = []
     for top in CORE:
