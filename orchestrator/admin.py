@@ -13,15 +13,14 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
-from review.models import ReviewItem
-
 from . import roles, selectors
 from .admin_tables import LargeTableAdmin, RecentValuesFilter
 from .engine import webhooks
 from .engine.audit import audit
 from .models import (
     AgentMemory, AgentMessage, ApiToken, AuditEntry, IdempotencyRecord, ModelCallAttempt,
-    InboundEvent, RetentionRun, Snapshot, Step, StepResult, Task, TaskEvent, WalEntry, WebhookRejection, WebhookSource,
+    InboundEvent, RetentionRun, ReviewItem, Snapshot, Step, StepResult, Task, TaskEvent, WalEntry, WebhookRejection,
+    WebhookSource,
 )
 
 admin.site.site_header = "Orchestrator administration"

@@ -46,12 +46,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from review.models import ReviewItem, ReviewStatus
-
 from .engine import stalls
 
 from .models import (
-    InboundEvent, InboundState, ModelCallAttempt, RetentionRun, Step, StepStatus, Task, TaskEvent, TaskStatus,
+    InboundEvent, InboundState, ModelCallAttempt, RetentionRun, ReviewItem, ReviewStatus, Step, StepStatus, Task,
+    TaskEvent, TaskStatus,
 )
 
 # Step figures read the newest rows of the step table only (a primary-key range): plan rows are

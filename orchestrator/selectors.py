@@ -2,7 +2,7 @@
 from django.db.models import Q, QuerySet
 
 from .engine import llm_ledger, results, snapshots
-from .models import Task, TaskStatus
+from .models import ReviewItem, Task, TaskStatus
 from .primitives.redaction import redact
 
 PAGE_SIZE = 50
@@ -49,8 +49,6 @@ def task_export(task_id: int) -> dict:
     installation's secrets redacted (orchestrator/primitives/redaction.py): the export leaves
     the installation, so it is redacted here, whoever asks for it."""
     from django.forms.models import model_to_dict
-
-    from review.models import ReviewItem
 
     from .models import AgentMessage, AuditEntry, InboundEvent, Snapshot, Step, TaskEvent, WalEntry
 

@@ -1,8 +1,9 @@
-"""Approvals of tool calls, the reviewer's side: deciding (once), two-person approval, the
-deadline and its fallback, revocation. The only code that settles an approval item.
+"""Approvals of tool calls, the reviewer's side: deciding (once), two-person approval.
 
-The engine asks (orchestrator/engine/approvals.py) and the step waits for an `approval.decided`
-event naming the item, bound to the call id and the SHA-256 of the arguments it may run with.
+The engine asks and opens the item (orchestrator/engine/approvals.py), applies its deadline's
+fallback and revokes it (engine/reviews.py, engine/approvals.py); this module decides it,
+through the engine's services. The step waits for an `approval.decided` event naming the item,
+bound to the call id and the SHA-256 of the arguments it may run with.
 Every way an item closes sends at most one such event (source_event_id `review-<id>`) in the
 transaction that closes it, with the task row locked first and the item row next:
 - decided: approve, edit-and-approve (the edited arguments, validated by the tool's own
@@ -21,7 +22,6 @@ the same arguments (the same person twice is refused). Every decision, vote, exp
 escalation and revocation is audited.
 """
 import logging
-from datetime import timedelta
 
 from django.db import transaction
 from django.utils import timezone
@@ -30,19 +30,20 @@ from pydantic import ValidationError
 
 from orchestrator import roles
 from orchestrator.agent import toolbox
-from orchestrator.engine import approvals as engine_approvals, inbox, states
+from orchestrator.engine import approvals as engine_approvals, reviews, states
 from orchestrator.engine.audit import audit
-from orchestrator.engine.events import append_event
 from orchestrator.engine.services import FieldError, InvalidInput
-from orchestrator.models import Step, Task
-from orchestrator.notifications import APPROVAL_EXPIRED, notify
-
-from .models import ApprovalVote, Decision, OnExpiry, ReviewItem, ReviewKind, ReviewStatus
+from orchestrator.models import Task
 from orchestrator.primitives.errors import HarnessError
+
+from .models import ApprovalVote, Decision, ReviewItem, ReviewStatus
 
 log = logging.getLogger(__name__)
 
-EXPIRY_BATCH = 500  # items per sweep; the rest at the next one
+# What the engine does with an approval beyond its decision, under the names this module had.
+close = engine_approvals.close
+deadline_fields = engine_approvals.deadline_fields
+_when = reviews.when
 
 
 class DecisionRefused(HarnessError):
@@ -67,10 +68,6 @@ class ReviewForbidden(DecisionRefused):
     status = 403
 
 
-def _when(moment) -> str:
-    return timezone.localtime(moment).strftime("%Y-%m-%d %H:%M:%S %Z") if moment else "an unknown time"
-
-
 def closed_message(item: ReviewItem) -> str:
     """What a decision of a closed item is told: who closed it, when, how."""
     if item.status == ReviewStatus.EXPIRED:
@@ -82,14 +79,6 @@ def closed_message(item: ReviewItem) -> str:
     who = item.decided_by.get_username() if item.decided_by_id else "the system"
     return (f"Review #{item.pk} was already decided ({item.decision}) by {who} at {_when(item.decided_at)}. "
             f"Nothing was changed.")
-
-
-def close(item: ReviewItem, *, status: str, decision: str, note: str, result, actor, now) -> None:
-    item.status, item.decision, item.note = status, decision, note.strip()
-    item.decision_result = result
-    item.decided_by = actor if getattr(actor, "is_authenticated", False) else None
-    item.decided_at = now
-    item.save()
 
 
 def may_decide(item: ReviewItem, user) -> str:
@@ -123,15 +112,8 @@ def latest_edit(item: ReviewItem) -> ApprovalVote | None:
     return max(edits, key=lambda v: (v.at, v.pk), default=None)
 
 
-def tool_schema(tool: str) -> dict:
-    """What an approval keeps of its tool when it opens (in the worker, which has just found
-    the tool): the JSON schema of its arguments, and whether a pydantic model of this process
-    checks them. The page and the decision then never need to reach the tool's source (an MCP
-    server) from the web process."""
-    found = toolbox.find_tool(tool)
-    if found is None:
-        return {}
-    return {"schema": found.parameters_schema(), "schema_from": "model" if found.Args is not None else "json_schema"}
+# What an approval keeps of its tool when it opens (the agent passes it to the engine).
+tool_schema = toolbox.approval_schema
 
 
 def argument_schema(item: ReviewItem) -> dict | None:
@@ -175,27 +157,6 @@ def validated_arguments(item: ReviewItem, arguments, *, field: str = "arguments"
     return arguments
 
 
-def deadline_fields(policy: dict | None, now=None) -> dict:
-    """The ReviewItem fields of an approval's policy (engine.approvals.Policy.resolved())."""
-    policy = policy or engine_approvals.Policy().resolved()
-    now = now or timezone.now()
-    return {"expires_at": now + timedelta(seconds=policy["timeout_seconds"]), "on_expiry": policy["on_expiry"],
-            "escalate_to": policy["escalate_to"], "approvals_required": policy["approvers"]}
-
-
-def _send_decision(task: Task, item: ReviewItem, *, approved: bool, note: str, arguments=None,
-                   expired: bool = False, actor=None, ip=None) -> None:
-    proposal = item.proposal or {}
-    payload = {"approved": approved, "approval_id": str(item.pk), "call_id": proposal.get("call_id", ""),
-               "note": note.strip()[:2000], "expired": expired,
-               "arguments_sha256": engine_approvals.arguments_digest(
-                   arguments if arguments is not None else proposed_arguments(item)) if approved else ""}
-    if arguments is not None:
-        payload["arguments"] = arguments
-    inbox.send(task_id=task.pk, type="approval.decided", payload=payload, source=inbox.REVIEW_SOURCE,
-               actor=actor, ip=ip, source_event_id=f"review-{item.pk}")
-
-
 # --- deciding ------------------------------------------------------------------------------
 
 def decide(*, item_id: int, decision: str, note: str, arguments=None, actor=None, ip=None,
@@ -218,7 +179,7 @@ def decide(*, item_id: int, decision: str, note: str, arguments=None, actor=None
         now = timezone.now()
         if decision == Decision.REJECT:
             close(item, status=ReviewStatus.DECIDED, decision=decision, note=note, result=None, actor=actor, now=now)
-            _send_decision(task, item, approved=False, note=note, actor=actor, ip=ip)
+            reviews.send_decision(task, item, approved=False, note=note, actor=actor, ip=ip)
             audit(action="review.approval", actor=actor, ip=ip, task=task, reason=note,
                   before={"proposal": item.proposal}, after={"review": item.pk, "decision": decision})
             log.info("approval rejected", extra={"task_id": task.pk, "step_id": item.step_id})
@@ -232,7 +193,7 @@ def decide(*, item_id: int, decision: str, note: str, arguments=None, actor=None
         final = Decision.EDIT_APPROVE if edited else Decision.APPROVE
         close(item, status=ReviewStatus.DECIDED, decision=final, note=note, result=runs_with if edited else None,
               actor=actor, now=now)
-        _send_decision(task, item, approved=True, note=note, arguments=runs_with if edited else None,
+        reviews.send_decision(task, item, approved=True, note=note, arguments=runs_with if edited else None,
                        actor=actor, ip=ip)
         audit(action="review.approval", actor=actor, ip=ip, task=task, reason=note,
               before={"proposal": item.proposal},
@@ -266,96 +227,10 @@ def _second_person(task: Task, item: ReviewItem, decision: str, runs_with: dict,
     return enough
 
 
-# --- the deadline --------------------------------------------------------------------------
+# --- the deadline and revocation: the engine's (engine/reviews.py, engine/approvals.py) -------
 
 def expire_due_approvals(sender=None, *, now=None, **kwargs) -> list[int]:
-    """The receiver of the engine's `approvals_due` (every sweep): open approvals past their
-    deadline follow their fallback. Returns the items handled."""
-    now = now or timezone.now()
-    handled = []
-    due = (ReviewItem.objects.filter(status=ReviewStatus.OPEN, kind=ReviewKind.APPROVAL, expires_at__lte=now)
-           .order_by("expires_at").values_list("pk", "task_id")[:EXPIRY_BATCH])
-    for item_id, task_id in due:
-        try:
-            with transaction.atomic():
-                task = states.lock_task(task_id)
-                item = ReviewItem.objects.select_for_update().get(pk=item_id)
-                if item.status != ReviewStatus.OPEN or item.expires_at is None or item.expires_at > now:
-                    continue  # decided (or handled by another sweeper) meanwhile
-                _expire(task, item, now)
-            handled.append(item_id)
-        except Exception:  # one item's trouble must not stop the others' deadlines
-            log.exception("approval expiry failed", extra={"task_id": task_id})
-    return handled
+    """Apply the fallback of open approvals past their deadline now (each sweep does it:
+    engine/reviews.py expire_due). Returns the items handled."""
+    return reviews.expire_due(now)
 
-
-def _expire(task: Task, item: ReviewItem, now) -> None:
-    window = ((item.proposal or {}).get("policy") or {}).get("timeout_seconds") or max(
-        1.0, (item.expires_at - item.detected_at).total_seconds())
-    waited = f"nobody decided within {_duration(window)}"
-    if item.on_expiry == OnExpiry.KEEP_WAITING:
-        item.expired_at, item.expires_at = now, None
-        item.save(update_fields=["expired_at", "expires_at"])
-        audit(action="review.approval_expired", task=task, reason=f"{waited}; keeps waiting for a reviewer",
-              after={"review": item.pk, "fallback": OnExpiry.KEEP_WAITING})
-        append_event(task, "approval_expired", {"review": item.pk, "tool": item.tool, "fallback": "keep_waiting"})
-        notify(APPROVAL_EXPIRED, task_id=task.pk, item_id=item.pk, tool=item.tool,
-               reason=f"{waited}; it is still waiting for a reviewer", extra={"fallback": OnExpiry.KEEP_WAITING})
-        return
-    if item.on_expiry == OnExpiry.ESCALATE and not item.escalated_at:
-        item.expired_at, item.escalated_at = now, now
-        item.expires_at = now + timedelta(seconds=window)
-        item.save(update_fields=["expired_at", "escalated_at", "expires_at"])
-        audit(action="review.approval_escalated", task=task, reason=f"{waited}; escalated to {item.escalate_to}",
-              after={"review": item.pk, "fallback": OnExpiry.ESCALATE, "group": item.escalate_to,
-                     "expires_at": item.expires_at.isoformat()})
-        append_event(task, "approval_escalated", {"review": item.pk, "tool": item.tool, "group": item.escalate_to})
-        notify(APPROVAL_EXPIRED, task_id=task.pk, item_id=item.pk, tool=item.tool, role=item.escalate_to,
-               reason=f"{waited}; escalated to {item.escalate_to}", extra={"fallback": OnExpiry.ESCALATE})
-        return
-    # `reject`, or an escalation nobody in the group decided either: the call does not run.
-    escalated = f" (escalated to {item.escalate_to} at {_when(item.escalated_at)})" if item.escalated_at else ""
-    note = f"the approval expired: {waited}{escalated}; the call did not run"
-    item.expired_at = now
-    close(item, status=ReviewStatus.EXPIRED, decision="", note=note, result=None, actor=None, now=now)
-    _send_decision(task, item, approved=False, note=note, expired=True)
-    audit(action="review.approval_expired", task=task, reason=note,
-          after={"review": item.pk, "fallback": item.on_expiry or OnExpiry.REJECT})
-    notify(APPROVAL_EXPIRED, task_id=task.pk, item_id=item.pk, tool=item.tool, reason=note,
-           extra={"fallback": OnExpiry.REJECT})
-    log.info("approval expired", extra={"task_id": task.pk, "step_id": item.step_id})
-
-
-def _duration(seconds: float) -> str:
-    if seconds >= 3600:
-        return f"{seconds / 3600:g} h"
-    if seconds >= 60:
-        return f"{seconds / 60:g} min"
-    return f"{seconds:g} s"
-
-
-# --- revocation ----------------------------------------------------------------------------
-
-def revoke_approvals(sender=None, *, task_id: int, reason: str, stale_steps_only: bool = False,
-                     steps: list[str] | None = None, actor=None, **kwargs) -> list[int]:
-    """The receiver of the engine's `approvals_void`, in the caller's transaction (the task row
-    locked): close the task's open approvals as revoked — all, those whose step is gone or runs
-    as a newer generation (`stale_steps_only`: an edit or a rollback went past them), or those
-    of the given `steps` (skipped by an operator)."""
-    items = ReviewItem.objects.select_for_update().filter(task_id=task_id, kind=ReviewKind.APPROVAL,
-                                                          status=ReviewStatus.OPEN)
-    items = list(items.filter(step_id__in=steps) if steps is not None else items)
-    if stale_steps_only and items:
-        generations = dict(Step.objects.filter(task_id=task_id, step_id__in=[i.step_id for i in items])
-                           .values_list("step_id", "generation"))
-        items = [i for i in items if generations.get(i.step_id) != (i.proposal or {}).get("generation", 0)]
-    if not items:
-        return []
-    now = timezone.now()
-    task = Task.objects.get(pk=task_id)
-    for item in items:
-        close(item, status=ReviewStatus.REVOKED, decision="", note=reason[:500], result=None, actor=actor, now=now)
-        audit(action="review.approval_revoked", actor=actor, task=task, reason=reason[:500],
-              after={"review": item.pk, "tool": item.tool, "step": item.step_id})
-    log.info("approvals revoked", extra={"task_id": task_id})
-    return [i.pk for i in items]

@@ -1,9 +1,10 @@
-"""Review decisions: the only code that opens and settles review items.
+"""Review decisions: the reviewer's side of the items the engine opens.
 
 A side effect whose outcome is unknown (a non-idempotent tool's WAL entry left `pending`
-by a dead worker) is never guessed: it opens a ReviewItem and the task waits in
-`awaiting_review`. A reviewer decides; when the task's last open item is decided, the
-task continues by itself. An effect left unknown by a task that then ended (a Stop or a
+by a dead worker) is never guessed: the engine opens a ReviewItem for it (its own record,
+orchestrator/engine/reviews.py) and the task waits in `awaiting_review`. A reviewer
+decides, here, through the engine's services (the WAL, the task's transitions); when the
+task's last open item is decided, the task continues by itself. An effect left unknown by a task that then ended (a Stop or a
 Force-terminate cut it in flight) is reviewed too: on an ended task the decision records
 what happened, for the audit and the export, and never runs anything or moves the task.
 """
@@ -12,12 +13,11 @@ import logging
 from django.db import transaction
 from django.utils import timezone
 
-from orchestrator.engine import approvals, inbox, scheduler, states, wal
+from orchestrator.engine import approvals, reviews, scheduler, states, wal
 from orchestrator.engine.audit import audit
 from orchestrator.engine.events import append_event
 from orchestrator.engine.services import FieldError, InvalidInput
-from orchestrator.models import IdempotencyRecord, TaskStatus as S, WalEntry, WalStatus
-from orchestrator.notifications import APPROVAL_REQUESTED, REVIEW_OPENED, notify
+from orchestrator.models import IdempotencyRecord, TaskStatus as S, WalStatus
 from orchestrator.tools.base import get_tool
 
 from . import approvals as approval_decisions
@@ -27,92 +27,20 @@ from .models import DECISIONS_BY_KIND, Decision, ReviewItem, ReviewKind, ReviewS
 log = logging.getLogger(__name__)
 
 
-def open_for_effect_in_doubt(sender, *, entry: WalEntry, reason: str, dead_worker: str = "",
-                             evidence: dict | None = None, **kwargs) -> ReviewItem:
-    """The receiver of the engine's `effect_in_doubt` signal."""
-    return review_open(entry=entry, reason=reason, dead_worker=dead_worker, evidence=evidence)
+# Opening an item is the engine's (engine/reviews.py, engine/approvals.py); this name stays
+# for the code and the tests that open one by hand.
+review_open = reviews.effect_open
 
 
-def review_open(*, entry: WalEntry, reason: str, dead_worker: str = "",
-                evidence: dict | None = None) -> ReviewItem | None:
-    """Open (or return the open) review item for a WAL entry in doubt; in the caller's transaction.
-    `evidence`: what the tool itself saw when the outcome became unknown (its phase, its error),
-    added to what the tool can tell about the key.
-
-    The tool's probe runs first (unless the caller ran it: `evidence["probe"]` says what it
-    found), so a reviewer sees only what it could not settle: settled, no item is opened
-    (None), and a task left awaiting a review that never opened continues after the commit."""
-    existing = ReviewItem.objects.filter(wal_entry=entry).first()
-    if existing is not None and existing.status == ReviewStatus.OPEN:
-        return existing
-    if "probe" not in (evidence or {}):
-        probed = wal.probe_entry(entry)
-        if probed.settled:
-            transaction.on_commit(lambda: continue_if_nothing_to_review(entry.task_id))
-            return None
-        evidence = {**(evidence or {}), "probe": probed.how}
-    try:
-        gathered = get_tool(entry.tool).evidence(entry.args, key=entry.idempotency_key) or {}
-    except Exception as exc:  # evidence is a courtesy; its absence must not block the review
-        gathered = {"error": f"could not gather evidence: {exc}"}
-    evidence = {**gathered, **(evidence or {})} or None
-    if existing is not None:
-        # Decided `not_happened` before, performed again with the same key (the same WAL
-        # entry: one item per entry) and in doubt again: reopen it (the earlier decision
-        # stays in the audit log), or the task would wait with nothing to review.
-        existing.status, existing.decision, existing.note, existing.decision_result = ReviewStatus.OPEN, "", "", None
-        existing.decided_by, existing.decided_at, existing.detected_at = None, None, timezone.now()
-        existing.reason, existing.dead_worker, existing.evidence = reason, dead_worker, evidence
-        existing.save()
-        log.warning("review reopened", extra={"task_id": entry.task_id, "wal_entry_id": entry.pk,
-                                              "resume_strategy": "awaiting_review"})
-        notify(REVIEW_OPENED, task_id=entry.task_id, item_id=existing.pk, tool=entry.tool, reason=reason)
-        return existing
-    item = ReviewItem.objects.create(task_id=entry.task_id, wal_entry=entry, reason=reason, dead_worker=dead_worker,
-                                     evidence=evidence)
-    log.warning("review opened", extra={"task_id": entry.task_id, "wal_entry_id": entry.pk,
-                                        "resume_strategy": "awaiting_review"})
-    notify(REVIEW_OPENED, task_id=entry.task_id, item_id=item.pk, tool=entry.tool, reason=reason)
-    return item
-
-
-def continue_if_nothing_to_review(task_id: int) -> None:
-    """A task sent to awaiting_review for effects its tools' probes then settled has nothing
-    to wait for: it continues, as after a reviewer's last decision."""
-    with transaction.atomic():
-        task = states.lock_task(task_id)
-        if task.status != S.AWAITING_REVIEW or ReviewItem.objects.filter(task=task, status=ReviewStatus.OPEN).exists():
-            return
-        states.transition(task, S.QUEUED, reason="the effects in doubt were settled by their probes; continuing",
-                          action="review.resume", lease_owner="")
-        scheduler.enqueue(task.pk)
-
-
-def open_for_approval(sender, *, task_id: int, step_id: str, tool: str, arguments: dict, context: str = "",
+def open_for_approval(sender=None, *, task_id: int, step_id: str, tool: str, arguments: dict, context: str = "",
                       call_id: str = "", arguments_sha256: str = "", reason: str = "", generation: int = 0,
                       policy: dict | None = None, **kwargs) -> ReviewItem:
-    """The receiver of the engine's `approval_requested` signal: one approval item per step
-    generation, call and arguments (asked again, e.g. after a crash, the same item; its
-    decision stands). A step that runs again after an edit or a rollback (a new generation)
-    gets a new item. `policy` (engine.approvals.Policy.resolved()): its deadline, its fallback
-    and how many reviewers it needs."""
-    for existing in ReviewItem.objects.filter(task_id=task_id, kind=ReviewKind.APPROVAL, step_id=step_id).exclude(
-            status=ReviewStatus.REVOKED):
-        proposal = existing.proposal or {}
-        if (proposal.get("call_id") == call_id and proposal.get("arguments_sha256") == arguments_sha256
-                and proposal.get("generation", 0) == generation):
-            return existing
-    policy = policy or approvals.Policy().resolved()
-    item = ReviewItem.objects.create(
-        task_id=task_id, kind=ReviewKind.APPROVAL, step_id=step_id,
-        proposal={"tool": tool, "arguments": arguments, "call_id": call_id, "arguments_sha256": arguments_sha256,
-                  "context": context[:20_000], "generation": generation, "policy": policy,
-                  **approval_decisions.tool_schema(tool)},
-        reason=f"{tool} needs approval before it runs" + (f": {reason}" if reason else ""),
-        **approval_decisions.deadline_fields(policy))
-    log.info("approval requested", extra={"task_id": task_id, "step_id": step_id})
-    notify(APPROVAL_REQUESTED, task_id=task_id, item_id=item.pk, tool=tool, reason=reason)
-    return item
+    """Open (or return) the approval item of a proposed call, as a step's ask does
+    (engine/approvals.py approval_open), with what the agent's toolbox knows of the tool."""
+    return approvals.approval_open(task_id=task_id, step_id=step_id, tool=tool, arguments=arguments,
+                                   context=context, call_id=call_id, arguments_sha256=arguments_sha256,
+                                   reason=reason, generation=generation, policy=policy,
+                                   schema=approval_decisions.tool_schema(tool))
 
 
 def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=None, ip: str | None = None,
@@ -192,12 +120,5 @@ def review_decide(*, item_id: int, decision: str, note: str, result=None, actor=
 
 
 def _close(item: ReviewItem, decision: str, note: str, result, actor, now) -> None:
-    item.status, item.decision, item.note = ReviewStatus.DECIDED, decision, note.strip()
-    item.decision_result = result
-    item.decided_by = actor if getattr(actor, "is_authenticated", False) else None
-    item.decided_at = now
-    item.save()
-
-
-
-
+    approvals.close(item, status=ReviewStatus.DECIDED, decision=decision, note=note, result=result, actor=actor,
+                    now=now)

@@ -32,7 +32,7 @@ from django.db.models import Q
 from ..engine import llm_ledger
 from ..llm import LLMCancelled, LLMStreamCut
 from ..llm.client import estimate_tokens
-from ..models import AgentMessage, WalEntry, WalStatus
+from ..models import AgentMessage, ReviewItem, ReviewStatus, WalEntry, WalStatus
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +112,6 @@ def ledger(task_id: int, last_turn: int) -> list[str]:
 
 def review_of(entry: WalEntry):
     """The decided review of an effect in doubt, if a reviewer decided it."""
-    from review.models import ReviewItem, ReviewStatus
-
     return ReviewItem.objects.filter(wal_entry=entry).exclude(status=ReviewStatus.OPEN).first()
 
 

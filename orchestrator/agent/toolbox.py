@@ -217,6 +217,17 @@ def find_tool(name: str) -> "AgentTool | None":
     return None
 
 
+def approval_schema(name: str) -> dict:
+    """What an approval keeps of its tool when it opens (in the worker, which has just found
+    the tool): the JSON schema of its arguments, and whether a pydantic model of this process
+    checks them. The review page and the decision then never need to reach the tool's source
+    (an MCP server) from the web process."""
+    found = find_tool(name)
+    if found is None:
+        return {}
+    return {"schema": found.parameters_schema(), "schema_from": "model" if found.Args is not None else "json_schema"}
+
+
 def known_names() -> list[str]:
     """Every tool name an agent may be given now (built-ins first)."""
     found = list(TOOLS)

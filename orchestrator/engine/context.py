@@ -172,7 +172,8 @@ class StepContext:
         raise WaitForEvent(event_type, until, match)
 
     def request_approval(self, tool: str, arguments: dict, *, context: str = "", call_id: str = "",
-                         reason: str = "", policy: "approvals.Policy | None" = None) -> dict:
+                         reason: str = "", policy: "approvals.Policy | None" = None,
+                         schema: dict | None = None) -> dict:
         """Have a reviewer approve `tool(arguments)` before it runs: opens an approval item in
         the review queue (once per call and arguments) and waits for *its* decision — the task
         waits holding no worker (like wait_for). Returns the decision: {"approved", "note",
@@ -180,10 +181,11 @@ class StepContext:
         reviewer's corrected ones for edit-and-approve), checked against the digest the reviewer
         approved; `expired`: nobody decided before the deadline (`policy`, approvals.Policy) and
         its fallback was to give up. The deadline is the review queue's (the sweeper expires it),
-        not this wait's: the wait ends with the expiry's event like with a decision."""
+        not this wait's: the wait ends with the expiry's event like with a decision. `schema`:
+        the tool's argument schema ({"schema", "schema_from"}), kept with the approval."""
         approval_id = approvals.request(task_id=self.task_id, step_id=self.step_id, tool=tool, arguments=arguments,
                                         context=context, call_id=call_id, reason=reason, generation=self.generation,
-                                        policy=policy)
+                                        policy=policy, schema=schema)
         decision = self.wait_for("approval.decided", match={"approval_id": str(approval_id)})
         return approvals.bound(decision, approval_id=approval_id, call_id=call_id, arguments=arguments)
 

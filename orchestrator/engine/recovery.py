@@ -27,7 +27,7 @@ from .. import telemetry
 from ..conf import harness
 from ..outage import DATABASE_DOWN, OutageWatch
 from ..models import IdempotencyRecord, Task, TaskStatus as S, WalEntry, WalStatus
-from . import approvals, retention, scheduler, stalls, states, stranded, wal
+from . import retention, reviews, scheduler, stalls, states, stranded, wal
 from .events import append_event
 from ..tasktypes import get_type
 
@@ -74,7 +74,7 @@ def sweep(requeue_budget: float | None = None, requeue: bool = True) -> list[int
             recovered.append(task_id)
     give_up_slow_recoveries()
     wake_expired_waits()
-    approvals.expire_due()
+    reviews.expire_due()
     if requeue:
         requeue_unclaimed(budget=requeue_budget)
     stalls.sweep()  # tells operators of a stalled task once per stall (engine/stalls.py)
@@ -325,7 +325,7 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict,
                 why = (f"Worker {worker} stopped ({cause}) after writing the intent for {entry.tool} at "
                        f"{entry.created_at:%Y-%m-%d %H:%M:%S} UTC and before recording its outcome. {entry.tool} "
                        f"is not idempotent: repeating it could do it twice, skipping it could lose it.")
-            wal.open_review(entry=entry, dead_worker=worker, reason=why, evidence={"probe": probed.how})
+            reviews.effect_open(entry=entry, dead_worker=worker, reason=why, evidence={"probe": probed.how})
             opened.append(entry)
     return opened
 

@@ -29,7 +29,7 @@ from ..conf import harness
 from ..outage import DATABASE_DOWN, OutageWatch, retry_while_down
 from ..models import InboundState, Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
-from . import checkpoint, inbox, lease as leases, preemption, recovery, results, run_gate, scheduler, states, wal
+from . import checkpoint, inbox, lease as leases, preemption, recovery, results, reviews, run_gate, scheduler, states, wal
 from ..primitives.cancellation import CancellationToken, Cancelled
 from .context import LimitExceeded, StepContext, StepTimedOut, WaitForEvent
 from .lease import Lease, LeaseLost
@@ -871,9 +871,9 @@ class Runner:
         by Force-terminate) are settled as recovery does."""
         reported = {}
         for ambiguous in self.ambiguous:
-            wal.open_review(entry=ambiguous.entry, dead_worker=ambiguous.entry.worker, evidence=ambiguous.evidence,
-                            reason=f"{ambiguous.reason} The task then ended ({cause}) and runs nothing again: "
-                                   f"say whether it happened, for the record.")
+            reviews.effect_open(entry=ambiguous.entry, dead_worker=ambiguous.entry.worker, evidence=ambiguous.evidence,
+                                reason=f"{ambiguous.reason} The task then ended ({cause}) and runs nothing again: "
+                                       f"say whether it happened, for the record.")
             reported[ambiguous.entry.pk] = ambiguous.entry
         opened = recovery.settle_pending_wal(task, dead_worker=self.lease.owner, cause=cause, ended=True,
                                              extra={"task_id": task.pk, "lease_epoch": self.lease.epoch})
@@ -910,8 +910,8 @@ class Runner:
         if self.ambiguous:
             keys = ", ".join(a.entry.idempotency_key for a in self.ambiguous)
             for ambiguous in self.ambiguous:
-                wal.open_review(entry=ambiguous.entry, dead_worker=ambiguous.entry.worker, reason=ambiguous.reason,
-                                evidence=ambiguous.evidence)
+                reviews.effect_open(entry=ambiguous.entry, dead_worker=ambiguous.entry.worker, reason=ambiguous.reason,
+                                    evidence=ambiguous.evidence)
             states.transition(task, S.AWAITING_REVIEW, reason=f"side effect in doubt: {keys}", **released)
             return S.AWAITING_REVIEW
         if self.needs_human:

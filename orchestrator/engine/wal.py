@@ -37,10 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
 from django.db.backends.utils import CursorWrapper
-from django.dispatch import Signal
 from django.utils import timezone
 
 from ..primitives.errors import HarnessError, StepSignal
@@ -362,17 +360,3 @@ def done_parameter(effects: list[CompletedEffect]) -> str:
     """The %(effects)s of done_sql(): the effects not yet recorded, as JSON."""
     return json.dumps([{"id": e.entry_id, "key": e.key, "tool": e.tool, "result": e.result}
                        for e in effects if not e.committed])
-
-
-# Sent when a non-idempotent effect is in doubt, in the caller's transaction; the review
-# queue (review/apps.py) opens an item for it. The engine does not import the review queue:
-# the queue is a layer above it.
-effect_in_doubt = Signal()
-
-
-def open_review(*, entry: WalEntry, reason: str, dead_worker: str = "", evidence: dict | None = None) -> None:
-    """Put `entry` in front of a reviewer (a task then waits in awaiting_review)."""
-    if not effect_in_doubt.send(sender=WalEntry, entry=entry, reason=reason, dead_worker=dead_worker,
-                                evidence=evidence):
-        raise ImproperlyConfigured("No review queue is installed ('review' in INSTALLED_APPS): an effect in doubt "
-                                   "cannot wait for a reviewer's decision.")

@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from ..conf import harness
 from ..engine import stalls, states
-from ..models import AgentMessage, AuditEntry, Task, TaskStatus as S
+from ..models import AgentMessage, AuditEntry, ReviewItem, Task, TaskStatus as S
 from ..primitives.redaction import redact_text
 from .waits import duration_text
 
@@ -100,8 +100,6 @@ class Facts:
     """What the reasons need beyond the task rows, read once for a batch of tasks."""
 
     def __init__(self, tasks: list[Task]):
-        from review.models import ReviewItem  # the review queue's rows (a model, read only)
-
         ids = lambda pred: [t.pk for t in tasks if pred(t)]  # noqa: E731
         waiting = ids(lambda t: t.status in (S.WAITING, S.AWAITING_REVIEW))
         self.items: dict[int, list] = {}

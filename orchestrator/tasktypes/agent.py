@@ -617,7 +617,8 @@ class PlanExecuteAgent(TaskType):
             # The decision is this call's own, bound to its id and arguments (engine/approvals.py).
             decision = ctx.request_approval(call["name"], arguments, call_id=call["id"], reason=gate,
                                             context=ctx.deps[turn_id(turn)].get("content") or "",
-                                            policy=approval_policy(p, call["name"]))
+                                            policy=approval_policy(p, call["name"]),
+                                            schema=toolbox.approval_schema(call["name"]))
             if decision.get("approved"):
                 ok, result = toolbox.call(ctx, call["name"], json.dumps(decision["arguments"]), granted)
             elif decision.get("expired"):  # nobody said no: the model may ask again, or do without

@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 
 from orchestrator.agent import history
-from orchestrator.engine import lease as leases, services, wal
+from orchestrator.engine import lease as leases, reviews, services, wal
 from orchestrator.engine.context import StepContext
 from orchestrator.engine.worker import drive_inline
 from orchestrator.llm.client import estimate_prompt_tokens
@@ -87,7 +87,7 @@ def test_an_ambiguous_intent_goes_to_review_first_and_the_model_is_told_the_deci
     with pytest.raises(wal.AmbiguousEffect) as ambiguous:
         PlanExecuteAgent().run_step(step_context(task, "turn-002", lease), "turn-002")
     assert ambiguous.value.entry.pk == entry.pk and len(model.requests) == seen
-    wal.open_review(entry=entry, reason=ambiguous.value.reason)
+    reviews.effect_open(entry=entry, reason=ambiguous.value.reason)
     [item] = ReviewItem.objects.filter(task=task)
     review_decide(item_id=item.pk, decision=decision, note="the customer was called instead")
     answer = history.messages_for_turn(task.pk, 2)[-1]
@@ -102,7 +102,7 @@ def test_an_intent_a_reviewer_found_not_happened_is_performed_again_with_its_key
     dialog_with_one_call(task, "email_send", '{"to": ["ops@example.org"], "subject": "Summary of 5 contracts", '
                                              '"body": "totals"}')
     entry = pending_email_intent(task)
-    wal.open_review(entry=entry, reason="the worker died during the send")
+    reviews.effect_open(entry=entry, reason="the worker died during the send")
     review_decide(item_id=ReviewItem.objects.get(task=task).pk, decision="not_happened", note="not in the mailbox")
     ctx = step_context(task, "turn-002", leases.claim(task.pk))
     messages = PlanExecuteAgent()._history(ctx, 2)
