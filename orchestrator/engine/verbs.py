@@ -49,6 +49,10 @@ class Input:
         return self.kind is bool
 
     @property
+    def is_number(self) -> bool:
+        return self.kind is int
+
+    @property
     def flag(self) -> str:
         return self.cli_flag or "--" + self.name.replace("_", "-")
 

@@ -112,7 +112,10 @@ def form_inputs(verb, data) -> dict:
         if spec.is_flag:
             inputs[spec.name] = data.get(spec.name, "") in ("1", "on", "true")
         elif spec.name in data:
-            inputs[spec.name] = data.get(spec.name, "").strip()[:spec.max_length]
+            value = data.get(spec.name, "").strip()[:spec.max_length]
+            if spec.kind is int and value.lstrip("-").isdigit():
+                value = int(value)
+            inputs[spec.name] = value
     return inputs
 
 
