@@ -75,8 +75,11 @@ def verb_operations(schema: dict, prefix: str) -> None:
         operation["parameters"] = [p for p in operation.get("parameters", []) if p.get("name") != "verb"]
         model = verb.input_model()
         components[model.__name__] = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        operation["requestBody"] = {"content": {"application/json": {"schema": {
-            "$ref": f"#/components/schemas/{model.__name__}"}}}, "required": any(i.required for i in verb.inputs)}
+        body = {"$ref": f"#/components/schemas/{model.__name__}"}
+        required = any(i.required for i in verb.inputs)
+        if not required:  # an optional body may be empty or null (read_body)
+            body = {"anyOf": [body, {"type": "null"}]}
+        operation["requestBody"] = {"content": {"application/json": {"schema": body}}, "required": required}
         schema["paths"][prefix + VERB_PATH.replace("{verb}", verb.word)] = {"post": operation}
 
 

@@ -263,11 +263,13 @@ def task_skip_step(*, task_id: int, step_id: str, reason: str, actor=None, ip=No
 
 def verb_inputs(verb: verbs.Verb, given: dict) -> dict:
     """`given` read as `verb`'s declared inputs: each of its type and length (InvalidInput
-    names the field), unknown keys ignored. Whether a value is needed is the service's rule."""
+    names the field), unknown keys ignored, a missing one empty. Whether a value is needed is
+    the service's rule."""
     errors, clean = [], {}
     for spec in verb.inputs:
         value = given.get(spec.name)
-        if value is None:
+        if spec.name not in given:  # not given: the empty value (a required one is refused by the service, saying why)
+            clean[spec.name] = False if spec.kind is bool else 0 if spec.kind is int else ""
             continue
         if spec.kind is bool:
             if not isinstance(value, bool):
