@@ -71,7 +71,7 @@ def send_event(request, body: EventIn, task_id: int = id_param("a task id")):
     their own endpoints do, with the payload as their inputs (a terminate's `"reason"`, a
     resume's `"accept_changes": true`). 429 (with Retry-After) when the task's backlog refuses the priority."""
     require(request, roles.OPERATOR)
-    task = get_task(task_id)
+    get_task(task_id)  # 404 before anything is read
     if body.type in inbox.control_types():  # an operator verb: its service does it (engine/verbs.py)
         sent = services.task_send_control(task_id=task_id, type=body.type, payload=body.payload, actor=request.auth,
                                           ip=client_ip(request), source_event_id=body.source_event_id)

@@ -18,7 +18,7 @@ inputs and, when sent as an inbox event, `source_event_id`; it records its inbox
 (inbox.record_control) in its own transaction.
 """
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
