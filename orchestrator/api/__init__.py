@@ -29,6 +29,14 @@ class OrchestratorAPI(NinjaAPI):
         depend on them)."""
         return "orchestrator_api_" + operation.view_func.__name__
 
+    def get_openapi_schema(self, *, path_prefix=None, path_params=None):
+        """The schema, with each operator verb (engine/verbs.py) as a path of its own: read at
+        every request for it, so a verb registered later is listed too."""
+        schema = super().get_openapi_schema(path_prefix=path_prefix, path_params=path_params)
+        prefix = self.get_root_path(path_params or {}) if path_prefix is None else path_prefix
+        control.verb_operations(schema, prefix.rstrip("/"))
+        return schema
+
 
 api = OrchestratorAPI(title="Orchestrator API", version="1", auth=[BearerAuth(), LoggedInSession()],
                       urls_namespace="api", parser=BoundedJSONParser(),
@@ -36,3 +44,4 @@ api = OrchestratorAPI(title="Orchestrator API", version="1", auth=[BearerAuth(),
 errors.install(api)
 for module in (reviews, types, tasks, control, history, inbox):
     api.add_router("", module.router)
+api.add_router("", control.verbs_router)  # last: its /tasks/{task_id}/{verb} would shadow the paths above

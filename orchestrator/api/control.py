@@ -1,52 +1,86 @@
-"""The operator's controls on a task: pause, stop, force-terminate, skip a step, resume (with
-an optional params edit and its dry-run preview) and roll back to a snapshot."""
-from ninja import Router
+"""The operator's controls on a task: the verbs of engine/verbs.py (pause, stop,
+force-terminate, skip a step, and any verb registered later) through one route, and the two
+with previews of their own: resume (with an optional params edit and its dry-run preview) and
+roll back to a snapshot."""
+import copy
+
+from ninja import Path, Router
+from ninja.errors import HttpError
 
 from .. import roles
-from ..engine import revisions, services
+from ..engine import revisions, services, verbs
+from ..primitives import jsonlimits
 from .auth import require
 from .common import BODY, FOUND, client_ip, get_task, id_param, optional_object_body, responses
+from .errors import NotFound
 from .presenters import task_out
-from .schemas import ControlIn, ErrorOut, ResumeIn, RevisionOut, RollbackIn, SkipStepIn, TaskOut
+from .schemas import ErrorOut, ResumeIn, RevisionOut, RollbackIn, TaskOut
 
 router = Router(tags=["control"])
 
 
-def _control(request, task_id: int, action, body: ControlIn | None):
-    optional_object_body(request)
-    require(request, roles.OPERATOR)
-    get_task(task_id)
-    action(task_id=task_id, actor=request.auth, ip=client_ip(request), reason=body.reason if body else "")
-    return task_out(get_task(task_id), request.auth)
-
-
 CONTROL_RESPONSES = responses({200: TaskOut}, FOUND, BODY, {409: ErrorOut})
 
-
-@router.post("/tasks/{task_id}/pause", response=CONTROL_RESPONSES)
-def pause_task(request, task_id: int = id_param("a task id"), body: ControlIn | None = None):
-    return _control(request, task_id, services.task_pause, body)
-
-
-@router.post("/tasks/{task_id}/stop", response=CONTROL_RESPONSES)
-def stop_task(request, task_id: int = id_param("a task id"), body: ControlIn | None = None):
-    return _control(request, task_id, services.task_stop, body)
+# The operator verbs that take plain inputs (engine/verbs.py: pause, stop, terminate, skip a
+# step, and any verb registered later) share one route, mounted after every other router (its
+# path would shadow theirs); the OpenAPI schema lists each verb as a path of its own, with its
+# inputs as the body (OrchestratorAPI.get_openapi_schema).
+verbs_router = Router(tags=["control"])
+VERB_PATH = "/tasks/{task_id}/{verb}"
 
 
-@router.post("/tasks/{task_id}/terminate", response=CONTROL_RESPONSES)
-def terminate_task(request, task_id: int = id_param("a task id"), body: ControlIn | None = None):
-    return _control(request, task_id, services.task_terminate, body)
+def read_body(request) -> dict:
+    """The request's JSON object (empty or null: {}); unreadable JSON is a 400, as ninja says it."""
+    raw = request.body.strip()
+    if not raw:
+        return {}
+    try:
+        value = jsonlimits.loads(raw)
+    except ValueError as exc:  # not JSON, not UTF-8, or nested too deep (jsonlimits.TooDeep)
+        raise HttpError(400, "Cannot parse request body") from exc
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise services.InvalidInput([services.FieldError("body", "must be a JSON object (or empty)")])
+    return value
 
 
-@router.post("/tasks/{task_id}/skip-step", response=CONTROL_RESPONSES)
-def skip_step(request, body: SkipStepIn, task_id: int = id_param("a task id")):
-    """Skip one unfinished step of a task that needs a human (with the dependants that need
-    its result, unless they run after skipped steps) and continue the task. Audited."""
-    require(request, roles.OPERATOR)
+@verbs_router.post(VERB_PATH, response=CONTROL_RESPONSES, include_in_schema=True)
+def task_verb(request, task_id: int = id_param("a task id"),
+              verb: str = Path(..., max_length=60, description="an operator verb: pause, stop, terminate, skip-step, ...")):
+    """Do an operator verb on a task (engine/verbs.py), with its inputs as the JSON body."""
+    found = verbs.by_word(verb)
+    if found is None or not found.generic:
+        raise NotFound(f"There is no action {verb!r} on a task; the actions are "
+                       f"{', '.join(v.word for v in verbs.generic())} (and resume, rollback).")
+    body = read_body(request)
+    require(request, found.role)
     get_task(task_id)
-    services.task_skip_step(task_id=task_id, step_id=body.step_id, reason=body.reason, actor=request.auth,
-                            ip=client_ip(request), accept_changes=body.accept_changes)
+    services.task_verb(name=found.name, task_id=task_id, inputs=body, actor=request.auth, ip=client_ip(request))
     return task_out(get_task(task_id), request.auth)
+
+
+def verb_operations(schema: dict, prefix: str) -> None:
+    """In the OpenAPI `schema`: the one verb route becomes a path per generic verb, each with
+    its own operation id (`orchestrator_api_<name>_task`), summary and body (its inputs)."""
+    template = schema["paths"].pop(prefix + VERB_PATH, {}).get("post")
+    if template is None:
+        return
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for verb in verbs.generic():
+        operation = copy.deepcopy(template)
+        operation["operationId"] = "orchestrator_api_" + verb.api_operation
+        operation["summary"] = verb.label
+        operation["description"] = verb.description
+        operation["parameters"] = [p for p in operation.get("parameters", []) if p.get("name") != "verb"]
+        model = verb.input_model()
+        components[model.__name__] = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        body = {"$ref": f"#/components/schemas/{model.__name__}"}
+        required = any(i.required for i in verb.inputs)
+        if not required:  # an optional body may be empty or null (read_body)
+            body = {"anyOf": [body, {"type": "null"}]}
+        operation["requestBody"] = {"content": {"application/json": {"schema": body}}, "required": required}
+        schema["paths"][prefix + VERB_PATH.replace("{verb}", verb.word)] = {"post": operation}
 
 
 @router.post("/tasks/{task_id}/resume", response=responses({200: RevisionOut}, FOUND, BODY, {409: ErrorOut}))

@@ -17,10 +17,6 @@ from .schemas import ErrorOut, EventOut
 
 router = Router(tags=["history"])
 
-CONTROLS = {"pause": services.task_pause, "stop": services.task_stop, "terminate": services.task_terminate,
-            "resume": services.task_resume}
-
-
 class EventIn(Schema):
     type: str = Field(..., max_length=100, description="an event type: " + ", ".join(inbox.REGISTRY))
     priority: int | str | None = Field(None, description="0-4 or P0-P4; omitted: the type's default")
@@ -71,21 +67,15 @@ def inbound_out(event: InboundEvent, duplicate: bool = False) -> InboundOut:
 def send_event(request, body: EventIn, task_id: int = id_param("a task id")):
     """Send an event into a task's inbox: committed before the reply (202). A repeated
     `source_event_id` with the same payload answers the first event (200, `duplicate`);
-    with another payload, 409. The operator controls (pause, stop, terminate, resume) act as
-    their own endpoints do (a resume's payload may hold `"accept_changes": true`). 429 (with Retry-After) when the task's backlog refuses the priority."""
+    with another payload, 409. The operator verbs (pause, stop, terminate, resume, ...) act as
+    their own endpoints do, with the payload as their inputs (a terminate's `"reason"`, a
+    resume's `"accept_changes": true`). 429 (with Retry-After) when the task's backlog refuses the priority."""
     require(request, roles.OPERATOR)
-    task = get_task(task_id)
-    if body.type in CONTROLS:
-        before = task.inbox_seq
-        # A resume may accept the changes of its type's code since the task paused (engine/compat.py).
-        extra = {"accept_changes": body.payload.get("accept_changes") is True} if body.type == "resume" else {}
-        CONTROLS[body.type](task_id=task_id, actor=request.auth, ip=client_ip(request),
-                            source_event_id=body.source_event_id, **extra)
-        event = InboundEvent.objects.filter(task_id=task_id, type=body.type).order_by("-seq").first()
-        if event is None:
-            raise inbox.InboxRefused(409, f"task #{task_id} is {get_task(task_id).status}: nothing to {body.type}")
-        duplicate = event.seq <= before
-        return Status(200 if duplicate else 202, inbound_out(event, duplicate))
+    get_task(task_id)  # 404 before anything is read
+    if body.type in inbox.control_types():  # an operator verb: its service does it (engine/verbs.py)
+        sent = services.task_send_control(task_id=task_id, type=body.type, payload=body.payload, actor=request.auth,
+                                          ip=client_ip(request), source_event_id=body.source_event_id)
+        return Status(200 if sent.duplicate else 202, inbound_out(sent.event, sent.duplicate))
     sent = inbox.send(task_id=task_id, type=body.type, payload=body.payload, priority=body.priority,
                       source="operator", actor=request.auth, ip=client_ip(request),
                       source_event_id=body.source_event_id,

@@ -1,10 +1,10 @@
 """The API's input and output schemas (they are the OpenAPI schema's components)."""
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 from ninja import Field, Schema
 
-from ..engine import actions as task_actions
+from ..engine import verbs
 from ..tasktypes import all_types
 from review.models import Decision
 
@@ -104,7 +104,10 @@ class TaskSummaryOut(Schema):
 
 
 class ActionOut(Schema):
-    name: Literal[task_actions.NAMES] = Field(..., description="an action on the task: " + ", ".join(task_actions.NAMES))
+    # The operator verbs (engine/verbs.py), read when the schema is made: a verb registered
+    # later is in the enum too.
+    name: str = Field(..., description="an action on the task (an operator verb)",
+                      json_schema_extra=lambda schema: schema.update(enum=list(verbs.names())))
     allowed: bool = Field(..., description="whether you may take it now")
     reason: str = Field(..., description="why not (empty when allowed)")
 
@@ -192,14 +195,6 @@ class AuditOut(Schema):
 
 class ControlIn(Schema):
     reason: str = ""
-
-
-class SkipStepIn(Schema):
-    step_id: str = Field(..., min_length=1, max_length=200)
-    reason: str = Field(..., min_length=1, max_length=500, description="Why the task can go on without the step")
-    accept_changes: bool = Field(False, description=(
-        "Continue although the task type's code changed since the task paused (its policy `ask`: the "
-        "preview's `compatibility.differences`); without it such a resume is refused (409). Audited."))
 
 
 class ResumeIn(ControlIn):

@@ -46,10 +46,11 @@ from ..conf import harness
 from ..models import InboundEvent, InboundState, Task, TaskStatus as S
 from ..notifications import notify_needs_human
 from ..tasktypes import get_type
-from . import scheduler, states
+from . import scheduler, states, verbs
 from .audit import audit
 from .events import append_event
 from ..primitives.errors import HarnessError
+from .verbs import EditRecorded, RollbackRecorded, SkipStepRecorded  # noqa: F401 (the inbox rows' payloads)
 
 log = logging.getLogger(__name__)
 
@@ -87,31 +88,6 @@ class ApprovalDecided(BaseModel):
 class UpstreamReady(BaseModel):
     model_config = ConfigDict(extra="allow")
     resource: str = Field("", max_length=500)
-
-
-class EditRecorded(BaseModel):
-    """An operator's parameter edit, as applied (written by revisions.apply_edit)."""
-    model_config = ConfigDict(extra="forbid")
-    diff: dict = Field(..., description="each changed parameter: [before, after]")
-    rerun: list[str] = Field(default_factory=list, description="finished steps that run again")
-    removed: list[str] = Field(default_factory=list, description="steps no longer in the plan")
-    limits: dict | None = Field(None, description="the task's limits, when the edit changed them")
-
-
-class RollbackRecorded(BaseModel):
-    """An operator's rollback, as applied (written by revisions.apply_rollback)."""
-    model_config = ConfigDict(extra="forbid")
-    to_version: int
-    rerun: list[str] = Field(default_factory=list, description="finished steps that run again")
-    effects_after: int = Field(0, description="side effects performed after that version (not undone)")
-
-
-class SkipStepRecorded(BaseModel):
-    """An operator's Skip step, as applied (written by services.task_skip_step)."""
-    model_config = ConfigDict(extra="forbid")
-    step: str
-    reason: str
-    skipped: list[str] = Field(default_factory=list, description="the step and the dependants it took with it")
 
 
 class Preempt(BaseModel):
@@ -158,20 +134,26 @@ REVIEW_ONLY = {REVIEW_SOURCE: 1}
 # and consumed at once with its outcome: never sent through the inbox, never consumed by a run.
 RECORDED_ACTIONS = {"edit": "POST /api/tasks/{id}/resume with params", "rollback": "POST /api/tasks/{id}/rollback",
                     "skip_step": "POST /api/tasks/{id}/skip-step"}
-CONTROL_TYPES = ("pause", "stop", "terminate", "resume", *RECORDED_ACTIONS)
+
+
+def control_event_types() -> dict[str, "EventType"]:
+    """The operator verbs' inbox types (engine/verbs.py: each record names its type and
+    priority), including a verb registered after this module was imported."""
+    return {v.event_type: EventType(v.event_type, v.priority, v.inbox_payload or NoPayload, OPERATORS_ONLY,
+                                    description=v.description) for v in verbs.VERBS.values()}
+
+
+def control_types() -> tuple[str, ...]:
+    return tuple(control_event_types())
+
+
+def event_type_of(type_name: str) -> "EventType | None":
+    return control_event_types().get(type_name) or REGISTRY.get(type_name)
+
+
 MAX_STACK_DEPTH = 4  # frames on a task stack (engine/preemption.py)
 
-REGISTRY: dict[str, EventType] = {t.name: t for t in (
-    EventType("pause", 0, NoPayload, OPERATORS_ONLY, description="pause at the next resume point"),
-    EventType("stop", 0, NoPayload, OPERATORS_ONLY, description="stop: cancel the running step, keep the work done"),
-    EventType("terminate", 0, NoPayload, OPERATORS_ONLY, description="force-terminate: nothing left running"),
-    EventType("resume", 1, NoPayload, OPERATORS_ONLY, description="continue a paused task from its checkpoint"),
-    EventType("edit", 1, EditRecorded, OPERATORS_ONLY,
-              description="parameters edited and the task resumed (recorded when applied)"),
-    EventType("rollback", 1, RollbackRecorded, OPERATORS_ONLY,
-              description="rolled back to a snapshot version and resumed (recorded when applied)"),
-    EventType("skip_step", 1, SkipStepRecorded, OPERATORS_ONLY,
-              description="a step skipped by an operator, the task continues (recorded when applied)"),
+REGISTRY: dict[str, EventType] = {**control_event_types(), **{t.name: t for t in (
     EventType("preempt", 0, Preempt, OPERATORS_ONLY,
               description="suspend the current work, run an urgent subtask first, then continue"),
     EventType("unit.failed", 2, UnitFailed, {"operator": 2, "system": 2, "webhook": 2, "internal": 2},
@@ -185,7 +167,7 @@ REGISTRY: dict[str, EventType] = {t.name: t for t in (
               description="a reviewer's decision on an approval (from the review queue only)"),
     EventType("upstream.ready", 3, UpstreamReady, mergeable=True, description="upstream data is ready"),
     EventType("progress.external", 4, ProgressExternal, mergeable=True, description="progress reported from outside"),
-)}
+)}}
 
 
 class InboxRefused(HarnessError):
@@ -223,7 +205,7 @@ def accepted_types(task_type) -> tuple[str, ...]:
     """The event types a task of `task_type` takes: the controls and the information types,
     plus those its type handles (TaskType.event_types) or its steps wait for
     (TaskType.awaited_event_types)."""
-    return (*CONTROL_TYPES, "upstream.ready", "progress.external", "unit.failed",
+    return (*control_types(), "upstream.ready", "progress.external", "unit.failed",
             *(("preempt",) if task_type.subtasks else ()),
             *getattr(task_type, "event_types", ()), *getattr(task_type, "awaited_event_types", ()))
 
@@ -233,7 +215,7 @@ def digest(payload: dict) -> str:
 
 
 def validate(task: Task, type_name: str, priority, payload, source: str) -> tuple[EventType, int, dict]:
-    event_type = REGISTRY.get(type_name)
+    event_type = event_type_of(type_name)
     task_type = get_type(task.type)
     if event_type is None or type_name not in accepted_types(task_type):
         takes = ", ".join(accepted_types(task_type))
@@ -250,7 +232,7 @@ def validate(task: Task, type_name: str, priority, payload, source: str) -> tupl
     if (priority == 2) != (event_type.default_priority == 2):
         raise InboxRefused(422, "P2 (recovery) is the priority of unit.failed, which applies a step's retry policy; "
                                 "send P1 to act at the next resume point, or P3 to update state", field="priority")
-    if type_name in CONTROL_TYPES and priority != event_type.default_priority:
+    if type_name in control_types() and priority != event_type.default_priority:
         raise InboxRefused(422, f"{type_name!r} is always P{event_type.default_priority}", field="priority")
     encoded = json.dumps(payload if payload is not None else {}, separators=(",", ":"))
     if len(encoded.encode()) > MAX_PAYLOAD_BYTES:
@@ -298,7 +280,7 @@ def _send(*, task_id: int, type: str, payload: dict | None, priority, source: st
         task = states.lock_task(task_id)
         if task.status in states.TERMINAL:
             raise InboxRefused(409, f"task #{task.pk} is {task.status}: it takes no more events")
-        if type in CONTROL_TYPES:
+        if type in control_types():
             endpoint = RECORDED_ACTIONS.get(type, f"POST /api/tasks/{{id}}/{type}")
             raise InboxRefused(422, f"{type!r} is an operator control: use {endpoint}", field="type")
         event_type, priority, clean = validate(task, type, priority, payload, source)
@@ -424,7 +406,7 @@ def record_control(task: Task, type_name: str, *, actor=None, source: str = "ope
     row locked (engine/services.py, engine/revisions.py). Pending until the runner
     acknowledges it, or settled at once (settle_control): when no runner holds the task, and
     always for the RECORDED_ACTIONS, which are applied by the service that records them."""
-    event_type = REGISTRY[type_name]
+    event_type = event_type_of(type_name)
     source_event_id = (source_event_id or "").strip()[:200]
     payload = event_type.payload.model_validate(payload or {}).model_dump(mode="json")
     payload_hash = digest(payload)
@@ -501,13 +483,13 @@ def due(task_id: int, now: datetime, awaited: tuple[str, ...] = ()) -> list[Inbo
     the control column) nor types the task's steps wait for (the wait takes those), most
     urgent first, in seq order within a priority."""
     return list(InboundEvent.objects.filter(task_id=task_id, state=InboundState.PENDING, visible_at__lte=now)
-                .exclude(type__in=(*CONTROL_TYPES, *awaited)).order_by("priority", "seq")[:CONSUMED_PER_RESUME_POINT])
+                .exclude(type__in=(*control_types(), *awaited)).order_by("priority", "seq")[:CONSUMED_PER_RESUME_POINT])
 
 
 def next_visible(task_id: int, awaited: tuple[str, ...] = ()) -> datetime | None:
     """When the next pending (merging) event becomes visible."""
     return (InboundEvent.objects.filter(task_id=task_id, state=InboundState.PENDING)
-            .exclude(type__in=(*CONTROL_TYPES, *awaited))
+            .exclude(type__in=(*control_types(), *awaited))
             .order_by("visible_at").values_list("visible_at", flat=True).first())
 
 

@@ -9,9 +9,9 @@ from django.utils import timezone
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..conf import harness
-from ..models import Step, StepStatus, Task, TaskStatus as S
+from ..models import InboundEvent, Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
-from . import actions, approvals, inbox, recovery, scheduler, states
+from . import actions, approvals, inbox, recovery, scheduler, states, verbs
 from .audit import audit
 from .events import append_event
 from .checkpoint import plan_from, plan_rows, skip_steps, snapshot_now
@@ -114,9 +114,11 @@ def task_create(*, type: str, params: dict, limits: dict | None = None, title: s
 
 
 def _request_control(task_id: int, control: str, *, target: str, actor, ip, reason: str,
-                     source_event_id: str = "") -> Task:
+                     source_event_id: str = "", reason_needed: str = "") -> Task:
     """Ask the runner of a running task to pause/stop/terminate; settle idle tasks directly.
-    Each request is a P0 event of the task's inbox, with its outcome."""
+    Each request is a P0 event of the task's inbox, with its outcome. `reason_needed`: the
+    message that refuses a request without a reason (after the state check: a request the
+    state refuses says that first; a repeated request stays harmless)."""
     with transaction.atomic():
         task = states.lock_task(task_id)
         if task.control == control or task.status == target:
@@ -125,6 +127,8 @@ def _request_control(task_id: int, control: str, *, target: str, actor, ip, reas
                 inbox.settle_control(task, control, f"already requested: the task is {task.status}")
             return task  # a repeated request is harmless
         actions.require(task, control, actor)
+        if reason_needed and not (reason or "").strip():
+            raise InvalidInput([FieldError("reason", reason_needed)])
         if inbox.record_control(task, control, actor=actor, source_event_id=source_event_id).duplicate:
             return task
         if task.status in (S.RUNNING, S.PAUSING, S.STOPPING) and task.lease_owner:
@@ -164,8 +168,12 @@ def task_stop(*, task_id: int, actor=None, ip=None, reason: str = "", source_eve
 
 
 def task_terminate(*, task_id: int, actor=None, ip=None, reason: str = "", source_event_id: str = "") -> Task:
-    return _request_control(task_id, "terminate", target=S.TERMINATED, actor=actor, ip=ip, reason=reason,
-                            source_event_id=source_event_id)
+    """Force-terminate: the running work is killed without waiting for a safe point, so the
+    operator says why (from the page, the API and the CLI alike)."""
+    return _request_control(task_id, "terminate", target=S.TERMINATED, actor=actor, ip=ip, reason=(reason or "").strip(),
+                            source_event_id=source_event_id,
+                            reason_needed="Force-terminate needs a reason: say why the running work is killed without "
+                                          "waiting for a safe point (it is recorded in the audit log).")
 
 
 def task_resume(*, task_id: int, limits: dict | None = None, actor=None, ip=None, reason: str = "",
@@ -249,3 +257,66 @@ def task_skip_step(*, task_id: int, step_id: str, reason: str, actor=None, ip=No
         scheduler.enqueue(task.pk)
     log.info("step skipped by an operator", extra={"task_id": task_id, "step_id": step_id})
     return skipped
+
+
+# --- the operator verbs (engine/verbs.py), done the same way by the API, the pages and the CLI ---
+
+def verb_inputs(verb: verbs.Verb, given: dict) -> dict:
+    """`given` read as `verb`'s declared inputs: each of its type and length (InvalidInput
+    names the field), unknown keys ignored, a missing one empty. Whether a value is needed is
+    the service's rule."""
+    errors, clean = [], {}
+    for spec in verb.inputs:
+        value = given.get(spec.name)
+        if spec.name not in given:  # not given: the empty value (a required one is refused by the service, saying why)
+            clean[spec.name] = False if spec.kind is bool else 0 if spec.kind is int else ""
+            continue
+        if spec.kind is bool:
+            if not isinstance(value, bool):
+                errors.append(FieldError(spec.name, "must be true or false"))
+                continue
+        elif spec.kind is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                errors.append(FieldError(spec.name, "must be a whole number"))
+                continue
+        elif not isinstance(value, str):
+            errors.append(FieldError(spec.name, "must be a string"))
+            continue
+        elif len(value) > spec.max_length:
+            errors.append(FieldError(spec.name, f"at most {spec.max_length} characters (got {len(value)})"))
+            continue
+        clean[spec.name] = value
+    if errors:
+        raise InvalidInput(errors)
+    return clean
+
+
+def task_verb(*, name: str, task_id: int, inputs: dict | None = None, actor=None, ip=None,
+              source_event_id: str = ""):
+    """Do operator verb `name` on a task with its declared inputs: the one way the API, the
+    pages and the CLI call a verb's service. Returns what the service returns."""
+    verb = verbs.get(name)
+    if verb is None:
+        raise InvalidInput([FieldError("action", f"unknown action {name!r}; the actions are "
+                                                 f"{', '.join(verbs.names())}")])
+    extra = {"source_event_id": source_event_id} if source_event_id else {}
+    return verb.call(task_id=task_id, actor=actor, ip=ip, **verb_inputs(verb, inputs or {}), **extra)
+
+
+def task_send_control(*, task_id: int, type: str, payload: dict, actor=None, ip=None,
+                      source_event_id: str = "") -> inbox.Sent:
+    """An operator verb sent as an event into the task's inbox (POST /api/tasks/{id}/events
+    with a verb's type): its service does it, with the payload as its inputs (a terminate's
+    `reason`, a resume's `accept_changes`), and records its inbox row; the answer is that row
+    (`duplicate` when `source_event_id` repeated an earlier one)."""
+    verb = verbs.by_event_type(type)
+    if verb is None or verb.inbox_payload is not None:  # edit, rollback, skip_step: recorded when applied
+        endpoint = inbox.RECORDED_ACTIONS.get(type, f"POST /api/tasks/{{id}}/{verb.word if verb else type}")
+        raise inbox.InboxRefused(422, f"{type!r} is an operator control: use {endpoint}", field="type")
+    before = Task.objects.values_list("inbox_seq", flat=True).get(pk=task_id)
+    task_verb(name=verb.name, task_id=task_id, inputs=payload, actor=actor, ip=ip, source_event_id=source_event_id)
+    event = InboundEvent.objects.filter(task_id=task_id, type=type).order_by("-seq").first()
+    if event is None:
+        status = Task.objects.values_list("status", flat=True).get(pk=task_id)
+        raise inbox.InboxRefused(409, f"task #{task_id} is {status}: nothing to {type}")
+    return inbox.Sent(event, duplicate=event.seq <= before)

@@ -18,7 +18,7 @@ from django.utils import timezone
 from .. import roles
 from ..agent import compaction, history
 from ..engine import actions as task_actions, inbox, llm_ledger, snapshots, states
-from ..engine import compat
+from ..engine import compat, verbs
 from ..models import AgentMessage, Task
 from ..primitives.redaction import redact, redact_text
 from ..tasktypes import all_types
@@ -114,8 +114,8 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
         "send_event_id": f"page-{getattr(user, 'pk', 0)}-{task.pk}-{task.inbox_seq}",
         "can_operate": roles.OPERATOR in roles.user_roles(user) if user is not None else False,
         "actions": verdicts,
-        "action_hints": task_actions.hints(),
         "allowed_actions": " ".join(name for name, verdict in verdicts.items() if verdict.allowed),
+        "controls": page_controls(task, verdicts),
         "controls_note": task_actions.controls_note(task, verdicts),
         "skippable_steps": task_actions.skippable_steps(task) if verdicts["skip_step"].allowed else [],
         # What changed in the type's code since the task paused (engine/compat.py), beside Resume.
@@ -126,6 +126,14 @@ def task_page_context(task: Task, user, *, with_events: bool = True) -> dict:
         "sections": page_sections(task, dialog=dialog, inbox_rows=inbox_rows, reviews=reviews,
                                   steps_total=steps_total),
     }
+
+
+def page_controls(task: Task, verdicts: dict) -> list[dict]:
+    """The task page's controls: one per operator verb that has one (engine/verbs.py), in the
+    verbs' order, each with its template, verdict, tooltip and confirmation."""
+    return [{"verb": verb, "verdict": verdicts[name], "template": verb.template, "hint": verb.hint_text(),
+             "confirm": verb.confirm.format(id=task.pk)}
+            for name, verb in verbs.VERBS.items() if verb.template and name in verdicts]
 
 
 # The task page's tabs, in order: (key, label). The key is the tab's URL hash (/tasks/12/#effects)
@@ -249,7 +257,7 @@ def sendable_types(task: Task) -> list[str]:
     found = all_types().get(task.type)
     if found is None or task.status in states.TERMINAL:
         return []
-    return [name for name in inbox.accepted_types(found) if name not in inbox.CONTROL_TYPES]
+    return [name for name in inbox.accepted_types(found) if name not in inbox.control_types()]
 
 
 def with_running(task: Task, steps: list) -> list:

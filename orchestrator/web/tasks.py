@@ -15,7 +15,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from .. import selectors
-from ..engine import compat, inbox, services, states
+from ..engine import compat, inbox, services, states, verbs
 from ..models import Task, TaskStatus
 from ..presenters.task_page import task_page_context, with_type_titles
 from ..primitives import jsonlimits
@@ -99,12 +99,24 @@ def task_detail(request, task_id: int):
     return render(request, "orchestrator/task_detail.html", task_page_context(task, request.user))
 
 
-CONTROL_SERVICES = {
-    "pause": (services.task_pause, "Pause requested for task #{id}.", "Task #{id} paused."),
-    "stop": (services.task_stop, "Stop requested for task #{id}.", "Task #{id} stopped."),
-    "terminate": (services.task_terminate, "Force-terminate requested for task #{id}.", "Task #{id} terminated."),
-    "resume": (services.task_resume, "Task #{id} resumed.", "Task #{id} resumed."),
-}
+def page_verbs() -> dict:
+    """The verbs the task page's control form posts (engine/verbs.py): those with plain inputs,
+    and resume (its "accept the changes" box is an input too)."""
+    return {name: verb for name, verb in verbs.VERBS.items() if verb.generic or name == "resume"}
+
+
+def form_inputs(verb, data) -> dict:
+    """The verb's declared inputs as the page's form posted them (a box: ticked or not)."""
+    inputs = {}
+    for spec in verb.inputs:
+        if spec.is_flag:
+            inputs[spec.name] = data.get(spec.name, "") in ("1", "on", "true")
+        elif spec.name in data:
+            value = data.get(spec.name, "").strip()[:spec.max_length]
+            if spec.kind is int and value.lstrip("-").isdigit():
+                value = int(value)
+            inputs[spec.name] = value
+    return inputs
 
 
 @require_POST
@@ -113,41 +125,32 @@ def task_control(request, task_id: int):
     require_operator(request)
     task = get_task(task_id)
     action = request.POST.get("action", "")
-    if action not in CONTROL_SERVICES:
-        return HttpResponseBadRequest(f"Unknown action {action!r}; use one of: {', '.join(CONTROL_SERVICES)}.")
-    reason = request.POST.get("reason", "").strip()[:500]
+    verb = page_verbs().get(action)
+    if verb is None:
+        return HttpResponseBadRequest(f"Unknown action {action!r}; use one of: {', '.join(page_verbs())}.")
     back = request.POST.get("next") or ""
     if not url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()},
                                            require_https=request.is_secure()):
         back = reverse("task_detail", kwargs={"task_id": task.pk})
-    if action == "terminate" and not reason:
-        messages.error(request, "Force-terminate needs a reason.")
-        return redirect(back)
-
-    service, requested, settled = CONTROL_SERVICES[action]
-    extra = {"accept_changes": accepts_changes(request)} if action == "resume" else {}
     try:
-        task = service(task_id=task.pk, actor=request.user, ip=client_ip(request), reason=reason, **extra)
+        result = services.task_verb(name=verb.name, task_id=task.pk, inputs=form_inputs(verb, request.POST),
+                                    actor=request.user, ip=client_ip(request))
     except compat.IncompatibleResume as exc:
         messages.error(request, f"Not resumed: {exc}")
         if exc.policy == "ask" and task.status == TaskStatus.PAUSED:
             # The resume preview shows what changed, with the box to accept it.
             return redirect(reverse("task_edit", kwargs={"task_id": task.pk}) + "?resume=1")
+    except services.InvalidInput as exc:
+        messages.error(request, " ".join(e.message for e in exc.errors))
     except states.InvalidTransition as exc:
         messages.error(request, str(exc))
     except Task.DoesNotExist:
         raise Http404(f"There is no task #{task_id}.") from None
     else:
-        final = {"pause": TaskStatus.PAUSED, "stop": TaskStatus.STOPPED,
-                 "terminate": TaskStatus.TERMINATED, "resume": None}[action]
-        template = settled if final is None or task.status == final else requested
-        messages.success(request, template.format(id=task.pk))
+        task = result if isinstance(result, Task) else get_task(task.pk)
+        template = verb.done if task.status == verb.target or not verb.requested else verb.requested
+        messages.success(request, (template or f"{verb.label}: done for task #{{id}}.").format(id=task.pk))
     return redirect(back)
-
-
-def accepts_changes(request) -> bool:
-    """The "accept the changes" box of a resume (engine/compat.py): ticked or not."""
-    return request.POST.get("accept_changes", "") in ("1", "on", "true")
 
 
 @require_POST
@@ -156,10 +159,11 @@ def task_skip_step(request, task_id: int):
     """Skip one unfinished step of a task that needs a human (reason required), and go on."""
     require_operator(request)
     task = get_task(task_id)
-    step_id, reason = request.POST.get("step_id", ""), request.POST.get("reason", "").strip()[:500]
+    step_id = request.POST.get("step_id", "")
     try:
-        skipped = services.task_skip_step(task_id=task.pk, step_id=step_id, reason=reason, actor=request.user,
-                                          ip=client_ip(request), accept_changes=accepts_changes(request))
+        skipped = services.task_verb(name="skip_step", task_id=task.pk, inputs=form_inputs(verbs.get("skip_step"),
+                                                                                          request.POST),
+                                     actor=request.user, ip=client_ip(request))
     except (services.InvalidInput, states.InvalidTransition) as exc:
         messages.error(request, f"Not skipped: {exc}")
     else:

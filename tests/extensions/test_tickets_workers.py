@@ -94,7 +94,7 @@ def test_a_keyed_call_in_doubt_when_the_task_is_terminated_is_settled_by_its_pro
         task = escalate(comment="")
         wait_for(lambda: len(tracker.tickets) == 1, timeout=60, message="the tracker to open the ticket")
         wait_for(lambda: WalEntry.objects.filter(task=task, status="pending").exists(), message="the intent")
-        services.task_terminate(task_id=task.pk)
+        services.task_terminate(task_id=task.pk, reason="test: the tracker hangs")
         wait_for(lambda: Task.objects.get(pk=task.pk).status == "terminated", timeout=60, message="terminated")
     finally:
         release.set()

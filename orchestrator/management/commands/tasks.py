@@ -1,4 +1,6 @@
-"""`manage.py tasks create TYPE --param k=v ... | list | show ID | pause|resume|stop|terminate ID`,
+"""`manage.py tasks create TYPE --param k=v ... | list | show ID | pause|resume|stop ID |
+terminate ID --reason TEXT | skip-step ID --step S --reason TEXT` (the operator verbs: a
+subcommand per record of engine/verbs.py, its inputs as options),
 `tasks send ID TYPE --payload '{...}' [--priority P1]` (an event into the task's inbox),
 `--accept-changes` on resume/skip-step/rollback: continue on changed task-type code (engine/compat.py),
 plus revising a paused task: `tasks resume ID --param k=v ... [--limit k=v] [--dry-run]` (edit
@@ -8,13 +10,10 @@ import json
 from django.core.management.base import BaseCommand, CommandError
 
 from orchestrator import selectors
-from orchestrator.engine import inbox, revisions, services
+from orchestrator.engine import inbox, revisions, services, verbs
 from orchestrator.engine.states import InvalidTransition
 from orchestrator.models import Task
 from orchestrator.tasktypes import all_types
-
-CONTROLS = {"pause": services.task_pause, "resume": services.task_resume, "stop": services.task_stop,
-            "terminate": services.task_terminate}
 
 
 def parse_param(text: str) -> tuple[str, object]:
@@ -44,28 +43,30 @@ class Command(BaseCommand):
         show = sub.add_parser("show", help="show one task with its steps")
         show.add_argument("id", type=int)
         show.add_argument("--json", action="store_true")
-        for name in CONTROLS:
-            control = sub.add_parser(name, help=f"{name} a task")
+        # The operator verbs (engine/verbs.py): a subcommand each, its inputs as options.
+        for verb in verbs.generic():
+            control = sub.add_parser(verb.word, help=verb.description or f"{verb.label} a task")
             control.add_argument("id", type=int)
-            control.add_argument("--reason", default="")
-            if name == "resume":
-                control.add_argument("--limit", action="append", default=[], help="raise a limit: max_seconds=600")
-                control.add_argument("--param", action="append", default=[],
-                                     help="edit a parameter first: key=value (the other params stay)")
-                control.add_argument("--dry-run", action="store_true",
-                                     help="print the impact of the edit (steps kept, re-run; effects repeated) "
-                                          "and change nothing")
-                control.add_argument("--repeat-effect", action="append", default=[], metavar="KEY",
-                                     help="confirm that this non-idempotent effect (idempotency key) is performed "
-                                          "again; every one the preview lists must be confirmed")
-                control.add_argument("--accept-changes", action="store_true",
-                                     help="continue although the task type's code changed since the task paused (its "
-                                          "policy ask: the dry run lists the changes); audited")
-        skip = sub.add_parser("skip-step", help="skip a step of a task that needs a human, and continue it")
-        skip.add_argument("id", type=int)
-        skip.add_argument("--step", required=True, help="the step id (see `show`)")
-        skip.add_argument("--reason", required=True, help="why the task can go on without it")
-        skip.add_argument("--accept-changes", action="store_true", help="as for resume")
+            for spec in verb.inputs:
+                if spec.is_flag:
+                    control.add_argument(spec.flag, dest=spec.name, action="store_true", help=spec.help)
+                else:
+                    control.add_argument(spec.flag, dest=spec.name, type=spec.kind, required=spec.required,
+                                         default=None, help=spec.help)
+        resume = sub.add_parser("resume", help=verbs.get("resume").description)
+        resume.add_argument("id", type=int)
+        resume.add_argument("--reason", default="")
+        resume.add_argument("--limit", action="append", default=[], help="raise a limit: max_seconds=600")
+        resume.add_argument("--param", action="append", default=[],
+                            help="edit a parameter first: key=value (the other params stay)")
+        resume.add_argument("--dry-run", action="store_true",
+                            help="print the impact of the edit (steps kept, re-run; effects repeated) and change nothing")
+        resume.add_argument("--repeat-effect", action="append", default=[], metavar="KEY",
+                            help="confirm that this non-idempotent effect (idempotency key) is performed again; every "
+                                 "one the preview lists must be confirmed")
+        resume.add_argument("--accept-changes", action="store_true",
+                            help="continue although the task type's code changed since the task paused (its policy "
+                                 "ask: the dry run lists the changes); audited")
         send = sub.add_parser("send", help="send an event into a task (its inbox): user.message, instruction, ...")
         send.add_argument("id", type=int)
         send.add_argument("type", help="an event type: " + ", ".join(inbox.REGISTRY))
@@ -103,32 +104,40 @@ class Command(BaseCommand):
             self.edit(opts["id"], params=dict(map(parse_param, opts["param"])),
                       limits=dict(map(parse_param, opts["limit"])), dry_run=opts["dry_run"],
                       repeat_effects=opts["repeat_effect"], accept_changes=opts["accept_changes"])
-        elif action == "skip-step":
-            try:
-                skipped = services.task_skip_step(task_id=opts["id"], step_id=opts["step"], reason=opts["reason"],
-                                                  accept_changes=opts["accept_changes"])
-            except services.InvalidInput as exc:
-                raise CommandError("\n".join(f"{e.field}: {e.message}" for e in exc.errors)) from None
-            except (InvalidTransition, Task.DoesNotExist) as exc:
-                raise CommandError(str(exc) or f"There is no task #{opts['id']}.") from None
-            self.stdout.write(f"task #{opts['id']}: skipped {', '.join(skipped)}; queued")
         elif action == "send":
             self.send(opts["id"], opts["type"], payload=opts["payload"], priority=opts["priority"],
                       source_event_id=opts["source_event_id"], merge_key=opts["merge_key"])
         elif action == "rollback":
             self.rollback(opts["id"], version=opts["version"], dry_run=opts["dry_run"],
                           repeat_effects=opts["repeat_effect"], accept_changes=opts["accept_changes"])
+        elif action == "resume":
+            limits = dict(map(parse_param, opts["limit"]))
+            self.verb(verbs.get("resume"), opts["id"], {"reason": opts["reason"],
+                                                        "accept_changes": opts["accept_changes"]},
+                      **({"limits": limits} if limits else {}))
         else:
-            extra = ({"limits": dict(map(parse_param, opts["limit"])) or None, "accept_changes": opts["accept_changes"]}
-                     if action == "resume" else {})
-            try:
-                task = CONTROLS[action](task_id=opts["id"], reason=opts["reason"], **extra)
-            except Task.DoesNotExist:
-                raise CommandError(f"There is no task #{opts['id']}.") from None
-            except InvalidTransition as exc:
-                raise CommandError(str(exc)) from None
-            except services.InvalidInput as exc:
-                raise CommandError("\n".join(f"{e.field}: {e.message}" for e in exc.errors)) from None
+            verb = verbs.by_word(action)
+            self.verb(verb, opts["id"], {spec.name: opts[spec.name] for spec in verb.inputs
+                                         if opts.get(spec.name) is not None})
+
+    def verb(self, verb, task_id: int, inputs: dict, **extra) -> None:
+        """An operator verb (engine/verbs.py) through its service; its report line, or the
+        refusal as the command's error."""
+        try:
+            if extra:  # a resume that raises limits: the service takes them beside the verb's inputs
+                result = verb.call(task_id=task_id, **inputs, **extra)
+            else:
+                result = services.task_verb(name=verb.name, task_id=task_id, inputs=inputs)
+        except Task.DoesNotExist:
+            raise CommandError(f"There is no task #{task_id}.") from None
+        except InvalidTransition as exc:
+            raise CommandError(str(exc)) from None
+        except services.InvalidInput as exc:
+            raise CommandError("\n".join(f"{e.field}: {e.message}" for e in exc.errors)) from None
+        if verb.report is not None:
+            self.stdout.write(verb.report(result, task_id))
+        else:
+            task = self._task(task_id)
             self.stdout.write(f"task #{task.pk}: {task.status}" + (f" (control: {task.control})" if task.control else ""))
 
     def show(self, task_id: int, *, as_json: bool) -> None:
@@ -159,8 +168,9 @@ class Command(BaseCommand):
         if not isinstance(body, dict):
             raise CommandError("--payload must be a JSON object, e.g. '{\"text\": \"hi\"}'")
         self._task(task_id)
-        if type_name in CONTROLS:
-            raise CommandError(f"{type_name} is an operator control: use `tasks {type_name} {task_id}`")
+        verb = verbs.by_event_type(type_name)
+        if verb is not None:
+            raise CommandError(f"{type_name} is an operator control: use `tasks {verb.word} {task_id}`")
         try:
             sent = inbox.send(task_id=task_id, type=type_name, payload=body, priority=priority, source="operator",
                               source_event_id=source_event_id, merge_key=merge_key)
