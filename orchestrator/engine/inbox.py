@@ -543,25 +543,6 @@ def awaited_visible_at(task_id: int, waits: list[dict]) -> datetime | None:
     return min(times, default=None)
 
 
-def apply(task_type, event: InboundEvent, now: datetime) -> Applied:
-    """What consuming `event` means: an expired P4, recorded information, or what the task
-    type's handler (`TaskType.handle_event`) decides."""
-    if event.priority == 4 and (now - event.created_at).total_seconds() > harness.inbox["p4_ttl_seconds"]:
-        return Applied(f"expired: not consumed within {harness.inbox['p4_ttl_seconds']:g} s",
-                       state=InboundState.EXPIRED)
-    if event.type in getattr(task_type, "event_types", ()):
-        try:
-            return task_type.handle_event(event)
-        except Exception as exc:  # the handler's bug must not stop the task: the event says why
-            log.warning("event handler failed", exc_info=True, extra={"task_id": event.task_id})
-            return Applied(f"rejected: the handler failed ({type(exc).__name__}: {exc})"[:2000],
-                           state=InboundState.REJECTED)
-    if event.type == "progress.external":
-        return Applied("recorded")
-    return Applied(f"recorded: {event.type} changes nothing in a {task_type.name} task")
-
-
-
 def preempt_pending(task_id: int) -> bool:
     """A `preempt` waits to be applied (the supervisor then cancels the steps in flight)."""
     return InboundEvent.objects.filter(task_id=task_id, type="preempt", state=InboundState.PENDING).exists()
