@@ -15,7 +15,7 @@ from ..conf import harness
 from ..models import StepStatus, Task
 from ..primitives.cancellation import CancellationToken
 from ..tasktypes import get_type
-from .checkpoint import PlanState
+from .plan_state import PlanState
 from .context import LimitExceeded, StepContext
 from .lease import Lease
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator.engine.checkpoint import PlanState
+from orchestrator.engine.plan_state import PlanState
 from orchestrator.engine.decision import SLICED, decide
 from orchestrator.engine.lease import Lease
 from orchestrator.engine.outcomes import (RETRY_BACKOFF_MAX_SECONDS, GiveUp, Retry, failure_fingerprint,
