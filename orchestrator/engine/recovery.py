@@ -281,7 +281,7 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict,
     opened = []
     for entry in WalEntry.objects.filter(task=task, status=WalStatus.PENDING).order_by("id"):
         record = IdempotencyRecord.objects.filter(key=entry.idempotency_key).first()
-        # Callers outside recovery (Runner.decide, the watchdog) pass only what they hold.
+        # Callers outside recovery (finishing.py, the watchdog) pass only what they hold.
         log_extra = {**log_fields(task), **extra, "wal_entry_id": entry.pk}
         if record is not None:
             wal.settle(entry.pk, WalStatus.DONE, result=record.result)
