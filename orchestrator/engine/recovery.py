@@ -177,7 +177,6 @@ def requeue_unclaimed(now=None, budget: float | None = None) -> list[int]:
     return sent
 
 
-@telemetry.traced_recovery
 def recovery_candidates(task_id: int, dead_lease=None):
     """The row recover_task locks: the dead lease's task, or the task if its heartbeat is stale."""
     if dead_lease is not None:
@@ -209,6 +208,7 @@ def finish_operator_request(task: Task, *, dead_worker: str, extra: dict) -> boo
     return True
 
 
+@telemetry.traced_recovery
 def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attempt: bool = True) -> bool:
     """Recover one task whose worker is gone: found stale by a sweeper, or reported dead
     (`dead_lease`) by the worker that watched its executor die. An orderly worker shutdown
