@@ -10,39 +10,31 @@ committed without waiting for the disk flush (ORCH_PURE_STEP_SYNC_COMMIT): if th
 server itself crashes, it is recomputed; PostgreSQL flushes its log in order, so any later
 synchronous commit (a WAL intent, a status change) makes it durable too.
 """
-import heapq
 import json
 import logging
 import os
 
-import psycopg
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
 from .. import telemetry
 from ..conf import harness
 from ..outage import retry_while_down
-from ..models import (IdempotencyRecord, InboundEvent, InboundState, Snapshot, Step, StepResult, StepStatus, Task,
-                      TaskEvent, TaskStatus, WalEntry)
-from . import compat, events, inbox, snapshots, states, wal
-from .events import NOTIFY_CHANNEL, create_event, cross_process_layer, publish_hint
+from ..models import InboundEvent, InboundState, Step, StepResult, StepStatus, Task, TaskStatus
+from . import commit_statement, compat, events, inbox, snapshots, states, wal
+from .commit_statement import StepCommit
+from .events import create_event, cross_process_layer, publish_hint
 from ..primitives.faults import armed as armed_faults, fault_point
 from .inbox import INBOX_ADDER
 from .lease import Lease, LeaseLost, lock_fenced
 from ..primitives.errors import HarnessError
+# The plan in memory has a module of its own; its names stay importable from here.
+from .plan_state import InvalidPlanGrowth, PlanState, plan_from  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-FINISHED = (StepStatus.DONE, StepStatus.SKIPPED)
-
-
-class InvalidPlanGrowth(HarnessError, ValueError):
-    """A step tried to add steps that cannot join the plan (a duplicate id, an unknown dependency)."""
 
 
 class CheckpointDiverged(HarnessError):
@@ -52,196 +44,9 @@ class CheckpointDiverged(HarnessError):
     the database holds; its in-memory plan is ahead of it."""
 
 
-@dataclass
-class PlanState:
-    """The runner's view of the plan; only the lease holder changes step states.
-
-    Kept incrementally: counters of done and finished steps, each step's dependants and
-    its number of unfinished dependencies, and a ready queue (by plan position) of pending
-    steps whose dependencies are all finished — so nothing rescans the plan per step."""
-
-    order: list[str] = field(default_factory=list)
-    depends_on: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    status: dict[str, str] = field(default_factory=dict)
-    attempts: dict[str, int] = field(default_factory=dict)
-    fingerprints: dict[str, str] = field(default_factory=dict)
-    generations: dict[str, int] = field(default_factory=dict)
-    on_failure: dict[str, str] = field(default_factory=dict)  # steps with a policy of their own
-    runs_after_skipped: set[str] = field(default_factory=set)
-    added_by: dict[str, str] = field(default_factory=dict)  # steps added at run time, by their adder
-    position: dict[str, int] = field(default_factory=dict)
-    dependants: dict[str, list[str]] = field(default_factory=dict)
-    unfinished_deps: dict[str, int] = field(default_factory=dict)
-    version: int = 0  # the task's checkpoint version as this runner last committed it
-    stack: list = field(default_factory=list)  # the task stack (engine/preemption.py), as committed
-    running: set = field(default_factory=set)  # steps in flight in this run (the runner keeps it)
-    done: int = 0
-    finished_count: int = 0
-    _ready: list[tuple[int, str]] = field(default_factory=list)
-    _queued: set[str] = field(default_factory=set)
-
-    # --- building ---------------------------------------------------------------------------
-    def add(self, step_id: str, depends_on, status: str = StepStatus.PENDING, *, position: int | None = None,
-            attempts: int = 0, fingerprint: str = "", generation: int = 0, on_failure: str = "",
-            runs_after_skipped: bool = False, added_by: str = "") -> None:
-        self.order.append(step_id)
-        self.position[step_id] = len(self.order) - 1 if position is None else position
-        self.depends_on[step_id] = tuple(depends_on)
-        self.status[step_id] = status
-        self.attempts[step_id] = attempts
-        self.dependants.setdefault(step_id, [])
-        if fingerprint:
-            self.fingerprints[step_id] = fingerprint
-        if generation:
-            self.generations[step_id] = generation
-        if on_failure:
-            self.on_failure[step_id] = on_failure
-        if runs_after_skipped:
-            self.runs_after_skipped.add(step_id)
-        if added_by:
-            self.added_by[step_id] = added_by
-        unfinished = 0
-        for dep in self.depends_on[step_id]:
-            self.dependants.setdefault(dep, []).append(step_id)
-            if self.status.get(dep) not in FINISHED:
-                unfinished += 1
-        self.unfinished_deps[step_id] = unfinished
-        if status == StepStatus.DONE:
-            self.done += 1
-        if status in FINISHED:
-            self.finished_count += 1
-        self.requeue(step_id)
-
-    def add_dependency(self, step_id: str, dependency: str) -> None:
-        """`step_id` (pending, not running) now waits for `dependency` too (StepSpec.before)."""
-        self.depends_on[step_id] = (*self.depends_on[step_id], dependency)
-        self.dependants.setdefault(dependency, []).append(step_id)
-        if self.status.get(dependency) not in FINISHED:
-            self.unfinished_deps[step_id] += 1  # its queue entry, if any, is stale now
-
-    def next_position(self) -> int:
-        return max(self.position.values(), default=-1) + 1
-
-    # --- state changes ------------------------------------------------------------------------
-    def set_status(self, step_id: str, status: str) -> None:
-        old = self.status[step_id]
-        if old == status:
-            return
-        self.status[step_id] = status
-        self.done += (status == StepStatus.DONE) - (old == StepStatus.DONE)
-        was_finished, is_finished = old in FINISHED, status in FINISHED
-        if was_finished != is_finished:
-            self.finished_count += 1 if is_finished else -1
-            for dependant in self.dependants.get(step_id, ()):
-                self.unfinished_deps[dependant] += -1 if is_finished else 1
-                if is_finished:
-                    self.requeue(dependant)
-        self.requeue(step_id)
-
-    def requeue(self, step_id: str) -> None:
-        """Put a pending step whose dependencies are finished in the ready queue (once)."""
-        if (self.status[step_id] == StepStatus.PENDING and not self.unfinished_deps[step_id]
-                and step_id not in self._queued):
-            self._queued.add(step_id)
-            heapq.heappush(self._ready, (self.position[step_id], step_id))
-
-    def take_ready(self, count: int, eligible=lambda step_id: True) -> list[str]:
-        """Up to `count` ready steps in plan order, taken out of the queue; steps that are
-        ready but not `eligible` now (a retry waiting out its backoff) stay queued."""
-        taken, held = [], []
-        while self._ready and len(taken) < count:
-            entry = heapq.heappop(self._ready)
-            step_id = entry[1]
-            self._queued.discard(step_id)
-            if self.status[step_id] != StepStatus.PENDING or self.unfinished_deps[step_id]:
-                continue  # stale entry: the step moved on since it was queued
-            if eligible(step_id):
-                taken.append(step_id)
-            else:
-                held.append(entry)
-        for entry in held:
-            self._queued.add(entry[1])
-            heapq.heappush(self._ready, entry)
-        return taken
-
-    # --- questions ----------------------------------------------------------------------------
-    def has_ready(self) -> bool:
-        """Whether the ready queue holds a step (it may hold stale entries: then it says yes)."""
-        return bool(self._ready)
-
-    def done_count(self) -> int:
-        return self.done
-
-    def finished(self, step_id: str) -> bool:
-        """Done, or skipped: either way, nothing more to run for it."""
-        return self.status[step_id] in FINISHED
-
-    def all_finished(self) -> bool:
-        return self.finished_count == len(self.order)
-
-    def skip_cascade(self, step_id: str) -> list[str]:
-        """`step_id` and every unfinished step that (transitively) depends on it and does
-        not run after skipped steps — in plan order (dependencies first)."""
-        skipped, frontier = {step_id}, [step_id]
-        while frontier:
-            for dependant in self.dependants.get(frontier.pop(), ()):
-                if dependant in skipped or self.finished(dependant) or dependant in self.runs_after_skipped:
-                    continue
-                skipped.add(dependant)
-                frontier.append(dependant)
-        return [step_id] + sorted(skipped - {step_id}, key=self.position.__getitem__)
-
-    def validate_growth(self, adder: str, specs: list) -> None:
-        """Raise InvalidPlanGrowth unless `specs` can join the plan as they are."""
-        known = set()
-        for spec in specs:
-            if spec.id in self.status or spec.id in known:
-                raise InvalidPlanGrowth(f"step {adder!r} tried to add step {spec.id!r}, but the plan already "
-                                        f"has a step with that id")
-            missing = [d for d in spec.depends_on if d not in self.status and d not in known]
-            if missing:
-                raise InvalidPlanGrowth(f"step {adder!r} added step {spec.id!r} depending on {missing}, which are "
-                                        f"neither in the plan nor added before it")
-            late = [b for b in spec.before if self.status.get(b) != StepStatus.PENDING or b in self.running]
-            if late:
-                raise InvalidPlanGrowth(f"step {adder!r} put step {spec.id!r} before {late}, which are not pending "
-                                        f"steps of the plan (a step can only be put before one that has not started)")
-            known.add(spec.id)
-
-    def snapshot_state(self, task: Task) -> dict:
-        """The full state of the current version (O(plan): written every FULL_EVERY versions)."""
-        state = {"params": task.params, "limits": task.limits, "status": task.status,
-                 "steps": {sid: self.status[sid] for sid in self.order},
-                 "counters": {"steps_done": self.done_count(), "tokens_used": task.tokens_used,
-                              "active_seconds": round(task.active_seconds, 3)}}
-        generations = {sid: g for sid, g in self.generations.items() if g}
-        if generations:  # only steps re-run after an edit or rollback
-            state["generations"] = generations
-        if self.added_by:
-            state["added_by"] = dict(self.added_by)
-        state["stack"] = list(self.stack)
-        return state
-
-
 def save_snapshot(task: Task, state: dict, step_id: str = "") -> None:
     """A full snapshot of the task's current version (plans written or rewritten, skips)."""
     snapshots.write_full(task, state, step_id)
-
-
-@dataclass
-class StepCommit:
-    """What one finished step commits."""
-
-    step_id: str
-    result: Any
-    reads: list[str]
-    effects: list[wal.CompletedEffect]
-    started_at: datetime
-    tokens_used: int = 0
-    active_seconds: float = 0.0
-    added: list = field(default_factory=list)  # StepSpecs the step added to the plan
-    consumed: dict = field(default_factory=dict)  # inbox event id -> outcome (taken by ctx.wait_for)
-    ends_wait: bool = False  # the step had waited: its entry leaves Task.waiting_for
 
 
 @telemetry.traced_checkpoint
@@ -281,17 +86,17 @@ def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
     simple = (connection.vendor == "postgresql" and not commit.added and not apart and not commit.consumed
               and not commit.ends_wait and not snapshots.full_due(version) and not armed_faults())
     if simple:
-        row = _commit_statement_postgresql(lease, plan, commit, encoded, now, delta=True)
+        row = commit_statement.postgresql(lease, plan, commit, encoded, now, delta=True)
         if row is None:
             return _unfenced(lease, plan, commit)
         _after_commit(lease.task_id, row, plan.done_count() + 1)
         return row["checkpoint_version"]
     with transaction.atomic():
         if connection.vendor == "postgresql":
-            row = _commit_statement_postgresql(lease, plan, commit, None if apart else encoded, now,
+            row = commit_statement.postgresql(lease, plan, commit, None if apart else encoded, now,
                                                delta=not snapshots.full_due(version) and not commit.added)
         else:
-            row = _commit_statements_sqlite(lease, plan, commit, None if apart else encoded, now)
+            row = commit_statement.sqlite(lease, plan, commit, None if apart else encoded, now)
         if row is None:
             return _unfenced(lease, plan, commit)
         if apart:
@@ -334,109 +139,6 @@ def _unfenced(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
 def _after_commit(task_id: int, row: dict, steps_done: int) -> None:
     if cross_process_layer() is not None:
         publish_hint(task_id, row["event_seq"], row["status"], steps_done, row["steps_total"])
-
-
-TABLES = {name: model._meta.db_table for name, model in (
-    ("task", Task), ("step", Step), ("snapshot", Snapshot), ("event", TaskEvent), ("wal", WalEntry),
-    ("idempotency", IdempotencyRecord))}
-
-_POSTGRESQL_COMMIT = """
-WITH t AS (
-    UPDATE {task} SET checkpoint_version = checkpoint_version + 1, {reserve_seq},
-        steps_done = %(steps_done)s, steps_total = steps_total + %(added)s, tokens_used = tokens_used + %(tokens)s,
-        active_seconds = active_seconds + %(active)s, heartbeat_at = %(now)s, updated_at = %(now)s
-    WHERE id = %(task_id)s AND lease_epoch = %(epoch)s AND lease_owner = %(owner)s
-        AND checkpoint_version = %(expected_version)s
-    RETURNING checkpoint_version, event_seq, status, steps_total, tokens_used, active_seconds
-), s AS (
-    UPDATE {step} SET status = 'done', result = %(result)s::jsonb, reads = %(reads)s::jsonb,
-        attempts = %(attempts)s, error = '', started_at = %(started_at)s, finished_at = %(now)s
-    WHERE task_id = %(task_id)s AND step_id = %(step_id)s AND EXISTS (SELECT 1 FROM t)
-), snap AS (
-    INSERT INTO {snapshot} (task_id, version, step_id, "full", state, created_at)
-    SELECT %(task_id)s, t.checkpoint_version, %(step_id)s, false,
-        jsonb_build_object('steps', jsonb_build_object(%(step_id)s::text, 'done'), 'status', t.status,
-            'counters', jsonb_build_object('steps_done', %(steps_done)s::int, 'tokens_used', t.tokens_used,
-                                           'active_seconds', round(t.active_seconds::numeric, 3))),
-        %(now)s
-    FROM t WHERE %(delta)s
-), ev AS (
-    INSERT INTO {event} (task_id, seq, kind, payload, created_at)
-    SELECT %(task_id)s, t.event_seq, 'step_done',
-        jsonb_build_object('step', %(step_id)s::text, 'version', t.checkpoint_version,
-                           'steps_done', %(steps_done)s::int, 'steps_total', t.steps_total,
-                           'seconds', %(seconds)s::float8),
-        %(now)s
-    FROM t
-){effects_done}
-SELECT checkpoint_version, event_seq, status, steps_total, tokens_used, active_seconds,
-    pg_notify(%(channel)s, %(task_id)s::text || ':' || event_seq || ':' || status || ':' || %(steps_done)s::text
-              || ':' || steps_total),
-    set_config('synchronous_commit', %(sync)s, true)
-FROM t
-""".format(**TABLES, reserve_seq=events.reserve_sql(), effects_done=wal.done_sql())
-
-ROW_FIELDS = ("checkpoint_version", "event_seq", "status", "steps_total", "tokens_used", "active_seconds")
-
-
-def _commit_parameters(lease: Lease, plan: PlanState, commit: StepCommit, encoded_result, now) -> dict:
-    return {
-        "task_id": lease.task_id, "epoch": lease.epoch, "owner": lease.owner, "now": now,
-        "expected_version": plan.version,
-        "steps_done": plan.done_count() + 1, "added": len(commit.added), "tokens": commit.tokens_used,
-        "active": commit.active_seconds, "result": encoded_result, "reads": json.dumps(commit.reads),
-        "attempts": plan.attempts.get(commit.step_id, 0) + 1, "started_at": commit.started_at,
-        "step_id": commit.step_id, "seconds": round((now - commit.started_at).total_seconds(), 3),
-        "effects": wal.done_parameter(commit.effects),
-    }
-
-
-def _commit_statement_postgresql(lease, plan, commit, encoded_result, now, *, delta: bool) -> dict | None:
-    parameters = _commit_parameters(lease, plan, commit, encoded_result, now)
-    parameters.update(delta=delta, channel=NOTIFY_CHANNEL,
-                      # An effect recorded only by this commit needs it on disk; a step whose
-                      # effects committed in their own transactions is recomputed like a pure one.
-                      sync="on" if any(not e.committed for e in commit.effects) or harness.pure_step_sync_commit
-                      else "off")
-    connection.ensure_connection()
-    # A server-side-binding cursor (Django's are client-side): psycopg prepares a statement
-    # it has run a few times, so PostgreSQL plans this one once per connection, not per step.
-    with CursorWrapper(psycopg.Cursor(connection.connection), connection) as cursor:
-        cursor.execute(_POSTGRESQL_COMMIT, parameters)
-        row = cursor.fetchone()
-    return dict(zip(ROW_FIELDS, row)) if row else None
-
-
-def _commit_statements_sqlite(lease, plan, commit, encoded_result, now) -> dict | None:
-    """The same commit as the PostgreSQL statement, as a few statements in the caller's
-    transaction; None when the fence (lease and version) does not hold."""
-    p = _commit_parameters(lease, plan, commit, encoded_result, now)
-    now, started_at = (connection.ops.adapt_datetimefield_value(value) for value in (now, commit.started_at))
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {TABLES['task']} SET checkpoint_version = checkpoint_version + 1, {events.reserve_sql()}, "
-            f"steps_done = %s, steps_total = steps_total + %s, tokens_used = tokens_used + %s, "
-            f"active_seconds = active_seconds + %s, heartbeat_at = %s, updated_at = %s "
-            f"WHERE id = %s AND lease_epoch = %s AND lease_owner = %s AND checkpoint_version = %s "
-            f"RETURNING {', '.join(ROW_FIELDS)}",
-            [p["steps_done"], p["added"], p["tokens"], p["active"], now, now, p["task_id"], p["epoch"], p["owner"],
-             p["expected_version"]])
-        found = cursor.fetchone()
-        if found is None:
-            return None
-        row = dict(zip(ROW_FIELDS, found))
-        cursor.execute(
-            f"UPDATE {TABLES['step']} SET status = 'done', result = %s, reads = %s, attempts = %s, error = '', "
-            f"started_at = %s, finished_at = %s WHERE task_id = %s AND step_id = %s",
-            [encoded_result if encoded_result is not None else "null", p["reads"], p["attempts"],
-             started_at, now, p["task_id"], commit.step_id])
-        cursor.execute(
-            f"INSERT INTO {TABLES['event']} (task_id, seq, kind, payload, created_at) VALUES (%s, %s, %s, %s, %s)",
-            [p["task_id"], row["event_seq"], "step_done",
-             json.dumps({"step": commit.step_id, "version": row["checkpoint_version"], "steps_done": p["steps_done"],
-                         "steps_total": row["steps_total"], "seconds": p["seconds"]}), now])
-    wal.mark_done(commit.effects)
-    return row
 
 
 class EventTakenAlready(Exception):
@@ -608,18 +310,6 @@ def plan_rows(task: Task) -> list[tuple]:
 def snapshot_now(task: Task, step_id: str = "") -> None:
     """A full snapshot of the task as its Step rows stand (after a revision of the plan)."""
     save_snapshot(task, plan_from(plan_rows(task)).snapshot_state(task), step_id)
-
-
-def plan_from(rows) -> PlanState:
-    """The plan from its Step rows (PLAN_FIELDS, in plan order)."""
-    plan = PlanState()
-    for step_id, depends_on, status, attempts, fingerprint, generation, on_failure, after_skipped, added_by, \
-            position in rows:
-        # A step that was running when its worker died, or failed before a resume, runs again.
-        status = StepStatus.PENDING if status in (StepStatus.RUNNING, StepStatus.FAILED) else status
-        plan.add(step_id, depends_on, status, position=position, attempts=attempts, fingerprint=fingerprint,
-                 generation=generation, on_failure=on_failure, runs_after_skipped=after_skipped, added_by=added_by)
-    return plan
 
 
 def skip_steps(task: Task, plan: PlanState, step_id: str, error: str, *, by: str) -> list[str]:

@@ -31,7 +31,7 @@ from django.utils import timezone
 
 from ..models import InboundEvent, InboundState, Step, StepStatus
 from . import events, snapshots
-from .checkpoint import FINISHED, PlanState
+from .plan_state import FINISHED, PlanState
 from .events import create_event
 from .inbox import MAX_STACK_DEPTH, Applied
 from .lease import Lease, lock_fenced

@@ -30,6 +30,8 @@ from ..models import IdempotencyRecord, Task, TaskStatus as S, WalEntry, WalStat
 from . import retention, reviews, scheduler, stalls, states, stranded, wal
 from .events import append_event
 from ..tasktypes import get_type
+# Bounding a recovery has a module of its own; each sweep calls it from here.
+from .recovery_timeout import give_up_slow_recoveries
 
 log = telemetry.ContextLogger(logging.getLogger(__name__))  # recovery's fields also reach its span
 
@@ -177,33 +179,35 @@ def requeue_unclaimed(now=None, budget: float | None = None) -> list[int]:
     return sent
 
 
-def give_up_slow_recoveries(now=None) -> list[int]:
-    """Recoveries that did not get their task running again within the timeout: needs_human."""
-    now = now or timezone.now()
-    timeout = harness.recovery_timeout_seconds
-    cutoff = now - timedelta(seconds=timeout)
-    handed = []
-    recovering = Task.objects.filter(recovering_since__lt=cutoff, status__in=(S.QUEUED, S.RUNNING))
-    for task_id in recovering.values_list("pk", flat=True)[:500]:
-        with transaction.atomic():
-            task = recovering.select_for_update(skip_locked=True).filter(pk=task_id).first()
-            if task is None:
-                continue
-            extra = {"task_id": task.pk, "checkpoint_version": task.checkpoint_version, "event_id": task.event_seq,
-                     "recovery_attempt": task.recovery_attempts, "resume_strategy": "needs_human"}
-            last = task.events.filter(kind="recovery").order_by("-seq").values_list("payload", flat=True).first()
-            cause = (last or {}).get("cause", "unknown cause")
-            waited = (now - task.recovering_since).total_seconds()
-            states.transition(
-                task, S.NEEDS_HUMAN, action="recovery", lease_owner="", lease_epoch=task.lease_epoch + 1,
-                recovering_since=None,
-                reason=f"recovery timed out: not running again {waited:.0f} s after it began "
-                       f"(ORCH_RECOVERY_TIMEOUT_SECONDS={timeout:g}; {task.recovery_attempts} attempt(s); "
-                       f"last cause: {cause})")
-            handed.append(task.pk)
-            extra["event_id"] = task.event_seq  # the status event just written
-        log.warning("recovery timed out: needs a human", extra=extra)
-    return handed
+def recovery_candidates(task_id: int, dead_lease=None):
+    """The row recover_task locks: the dead lease's task, or the task if its heartbeat is stale."""
+    if dead_lease is not None:
+        # The worker that saw its executor die waits for the row: skipping it when a sweeper
+        # or an operator holds it for a moment would leave the task to the next stale sweep.
+        return Task.objects.select_for_update().filter(
+            pk=task_id, lease_epoch=dead_lease.epoch, status__in=(*SWEEPABLE, S.QUEUED))
+    return stale_candidate(task_id)
+
+
+def finish_operator_request(task: Task, *, dead_worker: str, extra: dict) -> bool:
+    """Outstanding operator requests finish here: nobody is running the task any more.
+    True when the task had one (it is now stopped, paused or terminated)."""
+    target = {S.STOPPING: S.STOPPED, S.PAUSING: S.PAUSED}.get(task.status)
+    if not (target or task.control == "terminate"):
+        return False
+    target = S.TERMINATED if task.control == "terminate" else target
+    reason = f"worker {dead_worker} died; {task.control} completed by recovery"
+    if target in states.TERMINAL:
+        # What the dead worker had in flight is unknown, and an ended task replays
+        # nothing: a reviewer says what happened. (A paused task settles its WAL
+        # when its steps run again on resume.)
+        reason += in_doubt_note(settle_pending_wal(task, dead_worker=dead_worker, cause=reason,
+                                                   extra=extra, ended=True))
+    states.transition(task, target, reason=reason, action="recovery", lease_owner="", control="",
+                      activities=[])
+    log.info("recovery: settled operator request", extra={**extra, "event_id": task.event_seq,
+                                                          "resume_strategy": target})
+    return True
 
 
 @telemetry.traced_recovery
@@ -211,15 +215,8 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attemp
     """Recover one task whose worker is gone: found stale by a sweeper, or reported dead
     (`dead_lease`) by the worker that watched its executor die. An orderly worker shutdown
     does not count against ORCH_MAX_RECOVERY_ATTEMPTS (`count_attempt=False`)."""
-    if dead_lease is not None:
-        # The worker that saw its executor die waits for the row: skipping it when a sweeper
-        # or an operator holds it for a moment would leave the task to the next stale sweep.
-        candidates = Task.objects.select_for_update().filter(
-            pk=task_id, lease_epoch=dead_lease.epoch, status__in=(*SWEEPABLE, S.QUEUED))
-    else:
-        candidates = stale_candidate(task_id)
     with transaction.atomic():
-        task = candidates.first()
+        task = recovery_candidates(task_id, dead_lease).first()
         if task is None:
             # Say what state it saw: recovered by another sweeper, or alive after all.
             seen = Task.objects.filter(pk=task_id).first()
@@ -237,21 +234,7 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attemp
             log.warning("recovery: needs a human", extra={**extra, "event_id": task.event_seq,
                                                           "resume_strategy": "needs_human"})
             return True
-        # Outstanding operator requests finish here: nobody is running the task any more.
-        target = {S.STOPPING: S.STOPPED, S.PAUSING: S.PAUSED}.get(task.status)
-        if target or task.control == "terminate":
-            target = S.TERMINATED if task.control == "terminate" else target
-            reason = f"worker {dead_worker} died; {task.control} completed by recovery"
-            if target in states.TERMINAL:
-                # What the dead worker had in flight is unknown, and an ended task replays
-                # nothing: a reviewer says what happened. (A paused task settles its WAL
-                # when its steps run again on resume.)
-                reason += in_doubt_note(settle_pending_wal(task, dead_worker=dead_worker, cause=reason,
-                                                           extra=extra, ended=True))
-            states.transition(task, target, reason=reason, action="recovery", lease_owner="", control="",
-                              activities=[])
-            log.info("recovery: settled operator request", extra={**extra, "event_id": task.event_seq,
-                                                                  "resume_strategy": target})
+        if finish_operator_request(task, dead_worker=dead_worker, extra=extra):
             return True
         # Fence the dead worker now (epoch + 1), even before the next one claims.
         task.recovery_attempts, task.lease_owner = attempt, ""
@@ -300,7 +283,7 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict,
     opened = []
     for entry in WalEntry.objects.filter(task=task, status=WalStatus.PENDING).order_by("id"):
         record = IdempotencyRecord.objects.filter(key=entry.idempotency_key).first()
-        # Callers outside recovery (Runner.decide, the watchdog) pass only what they hold.
+        # Callers outside recovery (finishing.py, the watchdog) pass only what they hold.
         log_extra = {**log_fields(task), **extra, "wal_entry_id": entry.pk}
         if record is not None:
             wal.settle(entry.pk, WalStatus.DONE, result=record.result)

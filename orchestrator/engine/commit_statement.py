@@ -1,0 +1,138 @@
+"""The step commit as SQL: on PostgreSQL one statement (one round trip: the task row fenced on
+lease and version, the step row, a snapshot delta, the step_done event, the WAL rows the step
+completed, the notification), and the same commit as a few statements on SQLite, in the
+caller's transaction. engine/checkpoint.py chooses between them and writes the rest."""
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from django.db import connection
+from django.db.backends.utils import CursorWrapper
+
+from ..conf import harness
+from ..models import IdempotencyRecord, Snapshot, Step, Task, TaskEvent, WalEntry
+from . import events, wal
+from .events import NOTIFY_CHANNEL
+from .lease import Lease
+from .plan_state import PlanState
+
+
+@dataclass
+class StepCommit:
+    """What one finished step commits."""
+
+    step_id: str
+    result: Any
+    reads: list[str]
+    effects: list[wal.CompletedEffect]
+    started_at: datetime
+    tokens_used: int = 0
+    active_seconds: float = 0.0
+    added: list = field(default_factory=list)  # StepSpecs the step added to the plan
+    consumed: dict = field(default_factory=dict)  # inbox event id -> outcome (taken by ctx.wait_for)
+    ends_wait: bool = False  # the step had waited: its entry leaves Task.waiting_for
+
+
+TABLES = {name: model._meta.db_table for name, model in (
+    ("task", Task), ("step", Step), ("snapshot", Snapshot), ("event", TaskEvent), ("wal", WalEntry),
+    ("idempotency", IdempotencyRecord))}
+
+_POSTGRESQL_COMMIT = """
+WITH t AS (
+    UPDATE {task} SET checkpoint_version = checkpoint_version + 1, {reserve_seq},
+        steps_done = %(steps_done)s, steps_total = steps_total + %(added)s, tokens_used = tokens_used + %(tokens)s,
+        active_seconds = active_seconds + %(active)s, heartbeat_at = %(now)s, updated_at = %(now)s
+    WHERE id = %(task_id)s AND lease_epoch = %(epoch)s AND lease_owner = %(owner)s
+        AND checkpoint_version = %(expected_version)s
+    RETURNING checkpoint_version, event_seq, status, steps_total, tokens_used, active_seconds
+), s AS (
+    UPDATE {step} SET status = 'done', result = %(result)s::jsonb, reads = %(reads)s::jsonb,
+        attempts = %(attempts)s, error = '', started_at = %(started_at)s, finished_at = %(now)s
+    WHERE task_id = %(task_id)s AND step_id = %(step_id)s AND EXISTS (SELECT 1 FROM t)
+), snap AS (
+    INSERT INTO {snapshot} (task_id, version, step_id, "full", state, created_at)
+    SELECT %(task_id)s, t.checkpoint_version, %(step_id)s, false,
+        jsonb_build_object('steps', jsonb_build_object(%(step_id)s::text, 'done'), 'status', t.status,
+            'counters', jsonb_build_object('steps_done', %(steps_done)s::int, 'tokens_used', t.tokens_used,
+                                           'active_seconds', round(t.active_seconds::numeric, 3))),
+        %(now)s
+    FROM t WHERE %(delta)s
+), ev AS (
+    INSERT INTO {event} (task_id, seq, kind, payload, created_at)
+    SELECT %(task_id)s, t.event_seq, 'step_done',
+        jsonb_build_object('step', %(step_id)s::text, 'version', t.checkpoint_version,
+                           'steps_done', %(steps_done)s::int, 'steps_total', t.steps_total,
+                           'seconds', %(seconds)s::float8),
+        %(now)s
+    FROM t
+){effects_done}
+SELECT checkpoint_version, event_seq, status, steps_total, tokens_used, active_seconds,
+    pg_notify(%(channel)s, %(task_id)s::text || ':' || event_seq || ':' || status || ':' || %(steps_done)s::text
+              || ':' || steps_total),
+    set_config('synchronous_commit', %(sync)s, true)
+FROM t
+""".format(**TABLES, reserve_seq=events.reserve_sql(), effects_done=wal.done_sql())
+
+ROW_FIELDS = ("checkpoint_version", "event_seq", "status", "steps_total", "tokens_used", "active_seconds")
+
+
+def _commit_parameters(lease: Lease, plan: PlanState, commit: StepCommit, encoded_result, now) -> dict:
+    return {
+        "task_id": lease.task_id, "epoch": lease.epoch, "owner": lease.owner, "now": now,
+        "expected_version": plan.version,
+        "steps_done": plan.done_count() + 1, "added": len(commit.added), "tokens": commit.tokens_used,
+        "active": commit.active_seconds, "result": encoded_result, "reads": json.dumps(commit.reads),
+        "attempts": plan.attempts.get(commit.step_id, 0) + 1, "started_at": commit.started_at,
+        "step_id": commit.step_id, "seconds": round((now - commit.started_at).total_seconds(), 3),
+        "effects": wal.done_parameter(commit.effects),
+    }
+
+
+def postgresql(lease, plan, commit, encoded_result, now, *, delta: bool) -> dict | None:
+    parameters = _commit_parameters(lease, plan, commit, encoded_result, now)
+    parameters.update(delta=delta, channel=NOTIFY_CHANNEL,
+                      # An effect recorded only by this commit needs it on disk; a step whose
+                      # effects committed in their own transactions is recomputed like a pure one.
+                      sync="on" if any(not e.committed for e in commit.effects) or harness.pure_step_sync_commit
+                      else "off")
+    connection.ensure_connection()
+    # A server-side-binding cursor (Django's are client-side): psycopg prepares a statement
+    # it has run a few times, so PostgreSQL plans this one once per connection, not per step.
+    with CursorWrapper(psycopg.Cursor(connection.connection), connection) as cursor:
+        cursor.execute(_POSTGRESQL_COMMIT, parameters)
+        row = cursor.fetchone()
+    return dict(zip(ROW_FIELDS, row)) if row else None
+
+
+def sqlite(lease, plan, commit, encoded_result, now) -> dict | None:
+    """The same commit as the PostgreSQL statement, as a few statements in the caller's
+    transaction; None when the fence (lease and version) does not hold."""
+    p = _commit_parameters(lease, plan, commit, encoded_result, now)
+    now, started_at = (connection.ops.adapt_datetimefield_value(value) for value in (now, commit.started_at))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {TABLES['task']} SET checkpoint_version = checkpoint_version + 1, {events.reserve_sql()}, "
+            f"steps_done = %s, steps_total = steps_total + %s, tokens_used = tokens_used + %s, "
+            f"active_seconds = active_seconds + %s, heartbeat_at = %s, updated_at = %s "
+            f"WHERE id = %s AND lease_epoch = %s AND lease_owner = %s AND checkpoint_version = %s "
+            f"RETURNING {', '.join(ROW_FIELDS)}",
+            [p["steps_done"], p["added"], p["tokens"], p["active"], now, now, p["task_id"], p["epoch"], p["owner"],
+             p["expected_version"]])
+        found = cursor.fetchone()
+        if found is None:
+            return None
+        row = dict(zip(ROW_FIELDS, found))
+        cursor.execute(
+            f"UPDATE {TABLES['step']} SET status = 'done', result = %s, reads = %s, attempts = %s, error = '', "
+            f"started_at = %s, finished_at = %s WHERE task_id = %s AND step_id = %s",
+            [encoded_result if encoded_result is not None else "null", p["reads"], p["attempts"],
+             started_at, now, p["task_id"], commit.step_id])
+        cursor.execute(
+            f"INSERT INTO {TABLES['event']} (task_id, seq, kind, payload, created_at) VALUES (%s, %s, %s, %s, %s)",
+            [p["task_id"], row["event_seq"], "step_done",
+             json.dumps({"step": commit.step_id, "version": row["checkpoint_version"], "steps_done": p["steps_done"],
+                         "steps_total": row["steps_total"], "seconds": p["seconds"]}), now])
+    wal.mark_done(commit.effects)
+    return row
