@@ -161,33 +161,42 @@ def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args
             raise
         raise EffectFailed(entry.pk, exc) from exc
     except Exception as exc:
-        unknown = exc if isinstance(exc, OutcomeUnknown) else OutcomeUnknown(
-            f"{tool_name} raised an unexpected {type(exc).__name__}: {exc}; whether it took effect is unknown",
-            evidence={"error": f"{type(exc).__name__}: {exc}"})
-        if entry.idempotent:
-            # A replay with the same key cannot duplicate it: the step retries. The entry stays
-            # `pending`, not `failed` (= did not happen): if the task ends before a replay
-            # settles it (Stop, Force-terminate, a failure policy), whoever ends it treats it
-            # as any effect in doubt on an ended task: its probe, else a reviewer (found by
-            # the soak: keyed POSTs cut by Stop were left "did not happen" with nobody asked).
-            mark_unknown(entry.pk, unknown)
-            raise EffectFailed(entry.pk, unknown) from exc
-        mark_unknown(entry.pk, unknown)
-        # Ask the other side before anyone else is asked (outside any transaction: the probe is I/O).
-        probed = probe_entry(entry)
-        if probed.state == ProbeResult.DONE:
-            completed.append(CompletedEffect(entry.pk, key, tool_name, probed.result, committed=True))
-            return probed.result
-        if probed.state == ProbeResult.NOT_DONE:
-            raise EffectFailed(entry.pk, ToolError(f"{unknown}; then {probed.how}")) from exc
-        log.warning("effect outcome unknown: waiting for review",
-                    extra={"task_id": lease.task_id, "step_id": step_id, "wal_entry_id": entry.pk})
-        raise AmbiguousEffect(entry, reason=f"{unknown}. {tool_name} is not idempotent: repeating it could do it "
-                                            f"twice, skipping it could lose it.",
-                              evidence={"failure": str(unknown), **unknown.evidence, "probe": probed.how}) from exc
+        return _outcome_unknown(exc, entry=entry, lease=lease, step_id=step_id, key=key, tool_name=tool_name,
+                                completed=completed)
     fault_point("after_effect", step_id)
     completed.append(CompletedEffect(entry.pk, key, tool_name, result))
     return result
+
+
+def _outcome_unknown(exc: Exception, *, entry: WalEntry, lease: Lease, step_id: str, key: str, tool_name: str,
+                     completed: list[CompletedEffect]) -> Any:
+    """The tool raised something that does not say the effect did not happen: its outcome is
+    unknown. An idempotent effect is replayed with its key (the step retries); otherwise its
+    probe asks the other side, and what the probe cannot settle waits for a reviewer."""
+    unknown = exc if isinstance(exc, OutcomeUnknown) else OutcomeUnknown(
+        f"{tool_name} raised an unexpected {type(exc).__name__}: {exc}; whether it took effect is unknown",
+        evidence={"error": f"{type(exc).__name__}: {exc}"})
+    if entry.idempotent:
+        # A replay with the same key cannot duplicate it: the step retries. The entry stays
+        # `pending`, not `failed` (= did not happen): if the task ends before a replay
+        # settles it (Stop, Force-terminate, a failure policy), whoever ends it treats it
+        # as any effect in doubt on an ended task: its probe, else a reviewer (found by
+        # the soak: keyed POSTs cut by Stop were left "did not happen" with nobody asked).
+        mark_unknown(entry.pk, unknown)
+        raise EffectFailed(entry.pk, unknown) from exc
+    mark_unknown(entry.pk, unknown)
+    # Ask the other side before anyone else is asked (outside any transaction: the probe is I/O).
+    probed = probe_entry(entry)
+    if probed.state == ProbeResult.DONE:
+        completed.append(CompletedEffect(entry.pk, key, tool_name, probed.result, committed=True))
+        return probed.result
+    if probed.state == ProbeResult.NOT_DONE:
+        raise EffectFailed(entry.pk, ToolError(f"{unknown}; then {probed.how}")) from exc
+    log.warning("effect outcome unknown: waiting for review",
+                extra={"task_id": lease.task_id, "step_id": step_id, "wal_entry_id": entry.pk})
+    raise AmbiguousEffect(entry, reason=f"{unknown}. {tool_name} is not idempotent: repeating it could do it "
+                                        f"twice, skipping it could lose it.",
+                          evidence={"failure": str(unknown), **unknown.evidence, "probe": probed.how}) from exc
 
 
 def _perform_in_transaction(*, lease, step_id, call_index, tool, args, key, token, completed) -> Any:
