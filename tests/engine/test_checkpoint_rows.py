@@ -1,0 +1,121 @@
+"""The step commit is one statement on PostgreSQL and a few on SQLite (engine/commit_statement.py).
+The two must not drift: the same checkpoints, run on each database, leave the same rows. The rows
+(ids and times left out) are compared with one expected value, the same in both runs of the suite
+(CI runs it on SQLite and on PostgreSQL), so a difference on either side fails."""
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from orchestrator.engine import checkpoint, lease as leases, services, wal
+from orchestrator.models import IdempotencyRecord, Snapshot, Step, Task, TaskEvent, WalEntry
+from orchestrator.tasktypes import get_type
+from tests.support.helpers import write_intent
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+TASK_FIELDS = ("status", "checkpoint_version", "event_seq", "steps_done", "steps_total", "tokens_used",
+               "active_seconds")
+
+
+def rows(task_id: int) -> dict:
+    """What the commits left, without ids and times."""
+    task = Task.objects.values(*TASK_FIELDS).get(pk=task_id)
+    task["active_seconds"] = round(task["active_seconds"], 3)
+    return {
+        "task": task,
+        "steps": list(Step.objects.filter(task_id=task_id).order_by("position")
+                      .values("step_id", "status", "result", "reads", "attempts", "error")),
+        "snapshots": list(Snapshot.objects.filter(task_id=task_id).order_by("version")
+                          .values("version", "step_id", "full", "state")),
+        "events": [{**e, "payload": {k: v for k, v in e["payload"].items() if k != "seconds"}}  # a duration
+                   for e in TaskEvent.objects.filter(task_id=task_id, kind="step_done").order_by("seq")
+                   .values("seq", "kind", "payload")],
+        "wal": list(WalEntry.objects.filter(task_id=task_id).order_by("call_index")
+                    .values("step_id", "call_index", "tool", "status", "result", "error")),
+        "idempotency": list(IdempotencyRecord.objects.filter(key__startswith=f"rows-{task_id}-")
+                            .order_by("key").values("result")),
+    }
+
+
+def test_the_same_checkpoints_leave_the_same_rows_on_either_database():
+    task = services.task_create(type="demo.migrate_rows", params={"rows": 100, "batch_size": 50, "rate": 1.0})
+    lease = leases.claim(task.pk)
+    task_type = get_type(task.type)
+    plan = checkpoint.ensure_plan(lease=lease, task_type=task_type, params=task_type.Params.model_validate(task.params))
+    started = timezone.now() - timedelta(seconds=1)
+    checkpoint.commit_step(lease=lease, plan=plan, step_id="prepare-source", result={"rows": 100, "note": "é"},
+                           reads=["source"], effects=[], started_at=started, tokens_used=7, active_seconds=0.25)
+    entry = write_intent(lease=lease, step_id="batch-0001", call_index=0, tool_name="db.upsert",
+                         args={"rows": 50}, key=f"rows-{task.pk}-0", idempotent=True)
+    checkpoint.commit_step(lease=lease, plan=plan, step_id="batch-0001", result={"copied": 50, "ids": [1, 2]},
+                           reads=[], effects=[wal.CompletedEffect(entry.pk, f"rows-{task.pk}-0", "db.upsert",
+                                                                  {"upserted": 50})],
+                           started_at=started, tokens_used=3, active_seconds=0.5)
+
+    assert rows(task.pk) == EXPECTED
+# Taken from a run on SQLite; the PostgreSQL run must leave the very same.
+EXPECTED = {'task': {'status': 'running',
+          'checkpoint_version': 3,
+          'event_seq': 5,
+          'steps_done': 2,
+          'steps_total': 3,
+          'tokens_used': 10,
+          'active_seconds': 0.75},
+ 'steps': [{'step_id': 'prepare-source',
+            'status': 'done',
+            'result': {'rows': 100, 'note': 'é'},
+            'reads': ['source'],
+            'attempts': 1,
+            'error': ''},
+           {'step_id': 'batch-0001',
+            'status': 'done',
+            'result': {'copied': 50, 'ids': [1, 2]},
+            'reads': [],
+            'attempts': 1,
+            'error': ''},
+           {'step_id': 'batch-0002',
+            'status': 'pending',
+            'result': None,
+            'reads': [],
+            'attempts': 0,
+            'error': ''}],
+ 'snapshots': [{'version': 1,
+                'step_id': '',
+                'full': True,
+                'state': {'params': {'rows': 100, 'batch_size': 50, 'rate': 1.0},
+                          'limits': {'max_steps': 100000,
+                                     'max_tokens': 10000000,
+                                     'max_seconds': 86400.0,
+                                     'max_subtasks': 4},
+                          'status': 'running',
+                          'steps': {'prepare-source': 'pending',
+                                    'batch-0001': 'pending',
+                                    'batch-0002': 'pending'},
+                          'counters': {'steps_done': 0, 'tokens_used': 0, 'active_seconds': 0.0},
+                          'stack': []}},
+               {'version': 2,
+                'step_id': 'prepare-source',
+                'full': False,
+                'state': {'steps': {'prepare-source': 'done'},
+                          'status': 'running',
+                          'counters': {'steps_done': 1, 'tokens_used': 7, 'active_seconds': 0.25}}},
+               {'version': 3,
+                'step_id': 'batch-0001',
+                'full': False,
+                'state': {'steps': {'batch-0001': 'done'},
+                          'status': 'running',
+                          'counters': {'steps_done': 2, 'tokens_used': 10, 'active_seconds': 0.75}}}],
+ 'events': [{'seq': 4,
+             'kind': 'step_done',
+             'payload': {'step': 'prepare-source', 'version': 2, 'steps_done': 1, 'steps_total': 3}},
+            {'seq': 5,
+             'kind': 'step_done',
+             'payload': {'step': 'batch-0001', 'version': 3, 'steps_done': 2, 'steps_total': 3}}],
+ 'wal': [{'step_id': 'batch-0001',
+          'call_index': 0,
+          'tool': 'db.upsert',
+          'status': 'done',
+          'result': {'upserted': 50},
+          'error': ''}],
+ 'idempotency': [{'result': {'upserted': 50}}]}
