@@ -22,6 +22,7 @@ import uuid
 
 from prometheus_client.core import CounterMetricFamily
 
+from . import telemetry
 from .telemetry import truthy
 
 log = logging.getLogger(__name__)
@@ -94,14 +95,12 @@ def start(environ=None) -> bool:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-        from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
+        from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID
 
         from .metrics import DatabaseCollector
 
         interval_ms = float(env.get("OTEL_METRIC_EXPORT_INTERVAL") or 60_000)
-        named = env.get("OTEL_SERVICE_NAME") or "service.name=" in env.get("OTEL_RESOURCE_ATTRIBUTES", "")
-        resource = Resource.create({SERVICE_INSTANCE_ID: f"sweeper-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-                                    **({} if named else {SERVICE_NAME: "orchestrator"})})
+        resource = telemetry.resource(env, **{SERVICE_INSTANCE_ID: f"sweeper-{os.getpid()}-{uuid.uuid4().hex[:8]}"})
         provider = MeterProvider(resource=resource, metric_readers=[
             PeriodicExportingMetricReader(OTLPMetricExporter(), export_interval_millis=interval_ms)])
         meter = provider.get_meter("orchestrator")

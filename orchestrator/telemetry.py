@@ -80,12 +80,10 @@ def configure(environ=None) -> bool:
     with _lock:
         if _provider is not None:
             return True
-        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
-        named = env.get("OTEL_SERVICE_NAME") or "service.name=" in env.get("OTEL_RESOURCE_ATTRIBUTES", "")
-        provider = TracerProvider(resource=Resource.create({} if named else {SERVICE_NAME: "orchestrator"}),
+        provider = TracerProvider(resource=resource(env),
                                   sampler=_sampler())
         if endpoint:
             # The exporter reads the endpoint, headers and timeout from the OTEL_* variables.
@@ -101,6 +99,16 @@ def configure(environ=None) -> bool:
         _set_tracer(provider)
         _instrument_libraries(provider)
     return True
+
+
+def resource(env, **attributes):
+    """The OpenTelemetry resource of this process's traces and metrics: `service.name` is
+    "orchestrator" unless OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES name it (the SDK reads
+    those itself), plus `attributes`."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    named = env.get("OTEL_SERVICE_NAME") or "service.name=" in env.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    return Resource.create({**attributes, **({} if named else {SERVICE_NAME: "orchestrator"})})
 
 
 def _sampler():
