@@ -102,7 +102,7 @@ def test_kill_9_after_the_email_went_out_goes_to_review_and_exactly_one_email_is
                   note="found in the mailbox")
     task = settle(task.pk, timeout=60)
     assert task.status == "completed", task.status_reason
-    assert len(smtp_server.messages) == 1  # never sent again
+    assert len(smtp_server.effects()) == 1  # never sent again
     assert task.recovery_attempts == 1
     # The model was told the email's outcome (the reviewer's), and every call had its answer.
     email_answer = AgentMessage.objects.get(task=task, role="tool", name="email_send")

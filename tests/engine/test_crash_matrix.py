@@ -59,4 +59,4 @@ def test_crash_point(point, kind, start_workers, smtp_server, keyed_server, sett
     elif kind == "keyed":
         assert keyed_server.executed == {key: 1}
     else:
-        assert [m["X-Idempotency-Key"] for m in smtp_server.messages] == [key]
+        assert [m["X-Idempotency-Key"] for m in smtp_server.effects()] == [key]
