@@ -150,6 +150,10 @@ TABLE: tuple[Setting, ...] = (
     Setting("ORCH_PURE_STEP_SYNC_COMMIT", boolean, False,
             "PostgreSQL: wait for the disk flush when committing a step that had no side effect "
             "(off: such a step is recomputed if the database server itself crashes)"),
+    Setting("ORCH_PREPARE_STEP_COMMIT", boolean, True,
+            "PostgreSQL: prepare the step's commit statement once per connection instead of parsing and planning "
+            "it on every step (about half the statement's server time); turn it off behind a pooler in transaction "
+            "mode that does not keep prepared statements (PgBouncer before 1.21)"),
     Setting("ORCH_FAULTS", str, "",
             "fault injection for the crash tests (`orchestrator/primitives/faults.py`); unset in production",
             see="[Tests](testing.md)"),
@@ -354,6 +358,10 @@ class HarnessSettings:
     @property
     def pure_step_sync_commit(self) -> bool:
         return settings.ORCH_PURE_STEP_SYNC_COMMIT
+
+    @property
+    def prepare_step_commit(self) -> bool:
+        return settings.ORCH_PREPARE_STEP_COMMIT
 
     @property
     def inbox(self) -> dict:

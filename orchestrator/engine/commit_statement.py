@@ -7,9 +7,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import psycopg
 from django.db import connection
-from django.db.backends.utils import CursorWrapper
 
 from ..conf import harness
 from ..models import IdempotencyRecord, Snapshot, Step, Task, TaskEvent, WalEntry
@@ -17,6 +15,7 @@ from . import events, wal
 from .events import NOTIFY_CHANNEL
 from .lease import Lease
 from .plan_state import PlanState
+from .prepared import prepared_cursor
 
 
 @dataclass
@@ -97,10 +96,7 @@ def postgresql(lease, plan, commit, encoded_result, now, *, delta: bool) -> dict
                       # effects committed in their own transactions is recomputed like a pure one.
                       sync="on" if any(not e.committed for e in commit.effects) or harness.pure_step_sync_commit
                       else "off")
-    connection.ensure_connection()
-    # A server-side-binding cursor (Django's are client-side): psycopg prepares a statement
-    # it has run a few times, so PostgreSQL plans this one once per connection, not per step.
-    with CursorWrapper(psycopg.Cursor(connection.connection), connection) as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(_POSTGRESQL_COMMIT, parameters)
         row = cursor.fetchone()
     return dict(zip(ROW_FIELDS, row)) if row else None
