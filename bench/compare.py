@@ -490,7 +490,7 @@ def section_latency() -> dict:
         wait_until(lambda: finished(task["id"]), 120, 0.05, stack)
 
         # 1. One at a time: the API response -> the task's first step running.
-        to_claim, to_step, round_trips = [], [], []
+        to_claim, to_step, from_post, round_trips = [], [], [], []
         for _ in range(n_latency):
             sent = time.time()
             status, task = api.create(body)
@@ -502,6 +502,7 @@ def section_latency() -> dict:
                                  .values_list("started_at", flat=True).first(), 60, 0.005, stack)
             claimed = Task.objects.filter(pk=task["id"]).values_list("started_at", flat=True).first()
             to_step.append(started.timestamp() - answered)
+            from_post.append(started.timestamp() - sent)
             to_claim.append(claimed.timestamp() - answered)
             wait_until(lambda: finished(task["id"]), 60, 0.02, stack)
         print(f"  {n_latency} tasks created one at a time (bench.chain, {body['params']['steps']} steps), "
@@ -512,6 +513,8 @@ def section_latency() -> dict:
               f"p95 {1000 * pct(to_claim, 95):7.1f} ms")
         print(f"    response -> first step running     p50 {1000 * pct(to_step, 50):7.1f} ms   "
               f"p95 {1000 * pct(to_step, 95):7.1f} ms   (the step's started_at)")
+        print(f"    POST sent -> first step running    p50 {1000 * pct(from_post, 50):7.1f} ms   "
+              f"p95 {1000 * pct(from_post, 95):7.1f} ms   (issue 24's target)")
 
         # 2. Many at once.
         errors: list[str] = []
@@ -561,7 +564,8 @@ def section_latency() -> dict:
               f"errors: {len(errors)}")
         for error in errors[:10]:
             print(f"      {error}")
-        return {"post_to_first_step_p50_ms": 1000 * pct(to_step, 50), "post_to_first_step_p95_ms": 1000 * pct(to_step, 95),
+        return {"post_to_first_step_p50_ms": 1000 * pct(from_post, 50),
+                "post_to_first_step_p95_ms": 1000 * pct(from_post, 95),
                 "tasks_per_second": len(completed) / span if completed else 0.0, "errors": len(errors),
                 "inflight_tasks": n_inflight}
     finally:

@@ -7,17 +7,86 @@ no order at all, and a message can wait indefinitely behind newer ones: bench/ho
 rows of a dead host's prefetch, put back in the queue by the sweeper (engine/stranded.py), not
 taken within 120 s. Here the oldest row (by id) goes first: FIFO, as the Redis list is
 (Q_CLUSTER["broker_class"], settings.py); and `enqueue_first` puts a message ahead of every
-other (an id below the smallest), as LPUSH does on Redis (scheduler.send_first)."""
+other (an id below the smallest), as LPUSH does on Redis (scheduler.send_first).
+
+On PostgreSQL an idle cluster does not poll: every message sent is announced with NOTIFY, and
+the cluster's broker waits on LISTEN (at most Q_CLUSTER's `poll` between looks, in case a
+notification is lost with its connection). A task starts as soon as its message commits instead
+of up to one poll interval later."""
+import logging
+import os
 from time import sleep
 
-from django.db import IntegrityError, transaction
+import psycopg
+from django.db import IntegrityError, connections, transaction
 from django.db.models import Min
 from django.utils import timezone
 from django_q.brokers.orm import ORM
 from django_q.conf import Conf
 
 
+log = logging.getLogger(__name__)
+
+QUEUE_CHANNEL = "orchestrator_queue"
+
+
 class OrderedORM(ORM):
+    _listener: psycopg.Connection | None = None
+    _listener_pid: int | None = None
+
+    def enqueue(self, package) -> int:
+        pk = super().enqueue(package)
+        self.announce()
+        return pk
+
+    def announce(self) -> None:
+        """Wake a waiting cluster (PostgreSQL): delivered when the message's transaction commits."""
+        database = connections[Conf.ORM]
+        if database.vendor == "postgresql":
+            with database.cursor() as cursor:
+                cursor.execute("SELECT pg_notify(%s, '')", [QUEUE_CHANNEL])
+
+    def wait_for_message(self, timeout: float) -> None:
+        """Until a message is announced or `timeout` passes: LISTEN on PostgreSQL, a sleep elsewhere."""
+        listener = self.listener()
+        if listener is None:
+            sleep(timeout)
+            return
+        try:
+            for _ in listener.notifies(timeout=timeout, stop_after=1):
+                pass
+        except psycopg.Error as exc:  # its connection lost: polled until a new one listens
+            log.warning("broker: LISTEN connection lost (%s); polling until it is back", exc)
+            self.close_listener()
+            sleep(timeout)
+
+    def listener(self) -> psycopg.Connection | None:
+        """This process's LISTEN connection (its own, in autocommit; not Django's, which a
+        transaction may hold), opened on first use; None on another database or while down."""
+        database = connections[Conf.ORM]
+        if database.vendor != "postgresql":
+            return None
+        if self._listener is not None and self._listener_pid == os.getpid() and not self._listener.closed:
+            return self._listener
+        try:
+            params = database.get_connection_params()
+            self._listener = psycopg.connect(**params, autocommit=True)
+            self._listener.execute(f"LISTEN {QUEUE_CHANNEL}")
+            self._listener_pid = os.getpid()
+        except psycopg.Error as exc:
+            log.warning("broker: cannot LISTEN for messages (%s); polling", exc)
+            self._listener = None
+            return None
+        return self._listener
+
+    def close_listener(self) -> None:
+        if self._listener is not None and self._listener_pid == os.getpid():
+            try:
+                self._listener.close()
+            except psycopg.Error:
+                pass
+        self._listener = None
+
     def enqueue_first(self, package) -> int:
         """Put a message ahead of every other: the order is the ids', so it gets one below the
         smallest in the table (ids go down from there; another sender may take the same one
@@ -29,8 +98,10 @@ class OrderedORM(ORM):
                 smallest = 1      # message put first while row 0 lived went to the back)
             try:
                 with transaction.atomic(using=rows.db):
-                    return rows.create(id=smallest - 1, key=self.list_key or Conf.CLUSTER_NAME, payload=package,
-                                       lock=timezone.now()).pk
+                    pk = rows.create(id=smallest - 1, key=self.list_key or Conf.CLUSTER_NAME, payload=package,
+                                     lock=timezone.now()).pk
+                    self.announce()
+                    return pk
             except IntegrityError:
                 continue
         return self.enqueue(package)  # never first: at the back, as any message
@@ -45,4 +116,4 @@ class OrderedORM(ORM):
                 taken.append((row.pk, row.payload))
         if taken:
             return taken
-        sleep(Conf.POLL)  # an empty queue: spare the CPU
+        self.wait_for_message(Conf.POLL)  # an empty queue: spare the CPU

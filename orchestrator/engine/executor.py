@@ -12,6 +12,7 @@ started (processes.SessionKeeper).
 """
 import logging
 import os
+import select
 import signal
 import time
 
@@ -71,6 +72,13 @@ def run_isolated(lease: Lease) -> str:
 class Watchdog:
     def __init__(self, lease: Lease, pid: int):
         self.lease, self.pid = lease, pid
+        # A descriptor that becomes readable when the executor exits: the watch wakes at once
+        # instead of at its next poll (up to ORCH_EXECUTOR_WATCH_SECONDS late after every task,
+        # an idle worker slot each time). None where the kernel has no pidfd (before Linux 5.3).
+        try:
+            self.exit_fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self.exit_fd = None
         self.extra = {"task_id": lease.task_id, "lease_epoch": lease.epoch, "worker": f"{lease.host}:{pid}"}
         self.database = OutageWatch(log, f"watchdog of task {lease.task_id}")
         # Until the executor heartbeats itself (its supervisor starts once the plan is loaded),
@@ -94,9 +102,21 @@ class Watchdog:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            if self.exit_fd is not None:
+                os.close(self.exit_fd)
 
     def on_shutdown(self, signum, frame) -> None:
         self.shutting_down = True
+
+    def wait_for_exit(self, timeout: float) -> None:
+        """Until the executor exits or `timeout` passes (a signal ends it early too)."""
+        if self.exit_fd is None:
+            time.sleep(timeout)
+            return
+        try:
+            select.select([self.exit_fd], [], [], timeout)
+        except InterruptedError:
+            pass
 
     def watch_loop(self) -> str:
         next_poll = 0.0
@@ -114,7 +134,7 @@ class Watchdog:
                 verdict = self.check_control()
                 if verdict:
                     return verdict
-            time.sleep(harness.executor_watch_seconds)
+            self.wait_for_exit(harness.executor_watch_seconds)
 
     def check_control(self) -> str:
         try:

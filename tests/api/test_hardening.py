@@ -180,3 +180,20 @@ def test_the_admin_shows_token_expiry(client, make_user, operator):
     assert "expires" in body.lower()
     token = ApiToken.objects.get()
     assert "Expires at" in client.get(f"/admin/orchestrator/apitoken/{token.pk}/change/").content.decode()
+
+
+def test_a_token_s_last_use_is_kept_to_the_minute_without_a_write_per_request(operator, django_assert_num_queries):
+    """Every request writing last_used_at made the token's row a lock all concurrent clients of
+    one token queued on; it is written when a minute has passed since the last write."""
+    from orchestrator.auth import token_authenticate
+
+    raw = token_issue(user=operator)
+    assert token_authenticate(raw) == operator
+    first = ApiToken.objects.get(token_hash=hash_token(raw)).last_used_at
+    assert first is not None
+    with django_assert_num_queries(1):  # the lookup only
+        token_authenticate(raw)
+    assert ApiToken.objects.get(token_hash=hash_token(raw)).last_used_at == first
+    ApiToken.objects.filter(token_hash=hash_token(raw)).update(last_used_at=first - timedelta(minutes=2))
+    token_authenticate(raw)
+    assert ApiToken.objects.get(token_hash=hash_token(raw)).last_used_at > first

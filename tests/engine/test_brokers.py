@@ -84,3 +84,37 @@ def test_a_message_is_put_first_when_the_smallest_id_is_zero():
     first = broker.enqueue_first("stranded")
     assert first == -1 and first < waiting
     assert broker.dequeue()[0][1] == "stranded"
+
+
+def test_an_idle_broker_on_postgresql_wakes_when_a_message_is_sent_not_at_its_next_poll():
+    """LISTEN/NOTIFY: a cluster waiting for work (its queue empty) starts a task as soon as the
+    task's message commits; elsewhere the wait is the poll interval."""
+    import threading
+    import time
+
+    from django.db import connections
+
+    waiting = OrderedORM(list_key=KEY)
+    if connection.vendor != "postgresql":
+        assert waiting.listener() is None
+        started = time.monotonic()
+        waiting.wait_for_message(0.2)
+        assert time.monotonic() - started >= 0.2
+        return
+    assert waiting.listener() is not None  # listening before the message is sent
+
+    def send_from_another_connection():
+        OrderedORM(list_key=KEY).enqueue("wake-up")
+        connections.close_all()
+
+    sender = threading.Timer(0.3, send_from_another_connection)
+    started = time.monotonic()
+    sender.start()
+    try:
+        waiting.wait_for_message(60)  # a poll interval far longer than the wait for the message
+        woke_after = time.monotonic() - started
+    finally:
+        sender.join()
+        waiting.close_listener()
+    assert woke_after < 30, f"woke after {woke_after:.1f} s: at the poll's end, not at the message"
+    assert waiting.dequeue()[0][1] == "wake-up"
