@@ -24,7 +24,7 @@ from .. import telemetry
 from ..conf import harness
 from ..outage import retry_while_down
 from ..models import InboundEvent, InboundState, Step, StepResult, StepStatus, Task, TaskStatus
-from . import commit_statement, compat, events, inbox, snapshots, states, wal
+from . import commit_statement, compat, events, inbox_counter, snapshots, states, wal
 from .commit_statement import StepCommit
 from .events import create_event, cross_process_layer, publish_hint
 from ..primitives.faults import armed as armed_faults, fault_point
@@ -158,7 +158,7 @@ def _settle_wait(task_id: int, commit: StepCommit, version: int) -> None:
     task.waiting_for = [w for w in task.waiting_for if w.get("step") != commit.step_id]
     deadlines = [w["until"] for w in task.waiting_for if w.get("until")]
     task.waiting_until = min(deadlines) if deadlines else None
-    task.save(update_fields=["waiting_for", "waiting_until", *inbox.consumed(task, len(commit.consumed))])
+    task.save(update_fields=["waiting_for", "waiting_until", *inbox_counter.consumed(task, len(commit.consumed))])
 
 
 def additions(plan: PlanState, specs, adder: str) -> list[tuple]:
@@ -358,7 +358,7 @@ def commit_events(*, lease: Lease, plan: PlanState, consumed: list, stack: list 
         task.heartbeat_at = now
         if stack is not None:
             task.stack = stack
-        seq = events.reserve_locked(task, saving=["checkpoint_version", *inbox.consumed(task, len(consumed)),
+        seq = events.reserve_locked(task, saving=["checkpoint_version", *inbox_counter.consumed(task, len(consumed)),
                                                   "steps_total", "heartbeat_at", "stack"])
         for event, applied in consumed:
             InboundEvent.objects.filter(pk=event.pk).update(state=applied.state, outcome=applied.outcome[:2000],

@@ -37,13 +37,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.db import transaction
-from django.db.models import F
 from django.utils import timezone
 
 from ..conf import harness
 from ..models import InboundEvent, InboundState, Task, TaskStatus as S
 from ..notifications import notify_needs_human
-from . import scheduler, states
+from . import inbox_counter, scheduler, states
 from .audit import audit
 from .events import append_event
 # The event types and their validation have a module of their own; their names stay importable from here.
@@ -148,9 +147,9 @@ def _enqueue(task: Task, event_type, fields: dict, *, merge_key: str, now: datet
         # The burst collapses into the newest: rows merged earlier point at it too.
         InboundEvent.objects.filter(task=task, state=InboundState.MERGED, superseded_by__in=superseded).update(
             superseded_by=event, outcome=f"merged into #{event.seq}")
-        task.inbox_pending -= merged
-    task.inbox_pending += 1
-    task.save(update_fields=["inbox_seq", "inbox_pending", "updated_at"])
+    else:
+        merged = 0
+    task.save(update_fields=["inbox_seq", *inbox_counter.added(task, merged=merged), "updated_at"])
     append_event(task, "inbox", {"seq": event.seq, "type": type, "priority": priority, "source": source})
     audit(action="task.event", actor=actor, ip=ip, task=task,
           after={"seq": event.seq, "type": type, "priority": priority, "source": source,
@@ -237,8 +236,7 @@ def record_control(task: Task, type_name: str, *, actor=None, source: str = "ope
                                         f"event #{first.seq} ({first.type})", field="source_event_id")
             return Sent(first, duplicate=True)
     task.inbox_seq += 1
-    task.inbox_pending += 1
-    Task.objects.filter(pk=task.pk).update(inbox_seq=task.inbox_seq, inbox_pending=F("inbox_pending") + 1)
+    inbox_counter.control_added(task)
     event = InboundEvent.objects.create(
         task=task, seq=task.inbox_seq, type=type_name, priority=event_type.default_priority, source=source,
         actor=actor if getattr(actor, "is_authenticated", False) else None,
@@ -254,31 +252,8 @@ def settle_control(task: Task, type_name: str, outcome: str) -> int:
     count = InboundEvent.objects.filter(task=task, type=type_name, state=InboundState.PENDING).update(
         state=InboundState.CONSUMED, outcome=outcome[:2000], consumed_at=now,
         consumed_in_version=task.checkpoint_version)
-    if count:
-        Task.objects.filter(pk=task.pk).update(inbox_pending=F("inbox_pending") - count)
-        task.inbox_pending -= count
+    inbox_counter.settled(task, count)
     return count
-
-
-# --- Task.inbox_pending: written here and nowhere else (tests/engine/test_one_writer.py) ---
-
-def consumed(task: Task, count: int) -> tuple[str, ...]:
-    """`count` of `task`'s pending events left the queue in the caller's transaction, which
-    locked and read the row (checkpoint.commit_events, checkpoint._settle_wait): the counter,
-    lowered on `task`. Returns the columns to save with the caller's own UPDATE of the row
-    (no extra round trip)."""
-    task.inbox_pending -= count
-    return ("inbox_pending",)
-
-
-def reject_pending(task: Task, to: str, now: datetime) -> None:
-    """`task` (locked) ends as `to`: its inbox will never be read again, so each pending event
-    says so, and the counter is zero on `task` (saved by the transition, states.transition)."""
-    if task.inbox_pending:
-        InboundEvent.objects.filter(task=task, state=InboundState.PENDING).update(
-            state=InboundState.REJECTED, consumed_at=now,
-            outcome=f"not applied: the task ended ({to}) before its next resume point")
-        task.inbox_pending = 0
 
 
 INBOX_ADDER = "inbox#"  # Step.added_by of a step an event added: "inbox#<seq>"

@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from ..models import AuditEntry, Task, TaskStatus as S
 from ..notifications import notify_needs_human
-from . import approvals
+from . import approvals, inbox_counter
 from .events import append_event
 from ..primitives.errors import HarnessError
 
@@ -70,9 +70,7 @@ def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | N
         task.finished_at = now
         task.lease_owner = ""
         task.control = ""
-        from .inbox import reject_pending  # the inbox imports the state machine: imported here
-
-        reject_pending(task, to, now)
+        inbox_counter.reject_pending(task, to, now)
     if to not in (S.QUEUED, S.RUNNING):
         task.recovering_since = None  # a recovery in progress ends when the task settles elsewhere
     task.paused_by_limit = ""  # set (in `fields`) only by the runner's pause for a limit

@@ -1,7 +1,7 @@
 """One writer per durable record (issue 23, item 2): the statements that write a WAL entry's
 status, a task's progress `seq` (Task.event_seq) and its `inbox_pending` counter are in
 their owner module only. Other modules call the owner (wal.settle, events.reserve /
-reserve_locked / reserve_sql, inbox.consumed / reject_pending); the PostgreSQL one-statement
+reserve_locked / reserve_sql, inbox_counter.added / consumed / reject_pending); the one-statement
 checkpoint takes its SQL fragments from the owners (wal.done_sql, events.reserve_sql).
 
 The source of orchestrator/ and review/ (migrations aside) is searched with the patterns
@@ -45,7 +45,7 @@ RECORDS = {
         rf"(?i:\bUPDATE\s+{WAL_TABLE}|\bINSERT\s+INTO\s+{WAL_TABLE})",  # raw SQL writing the WAL table
     ]),
     "Task.event_seq (the progress seq)": ("orchestrator/engine/events.py", column_writes("event_seq")),
-    "Task.inbox_pending": ("orchestrator/engine/inbox.py", column_writes("inbox_pending")),
+    "Task.inbox_pending": ("orchestrator/engine/inbox_counter.py", column_writes("inbox_pending")),
 }
 
 
