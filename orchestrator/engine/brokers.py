@@ -18,7 +18,7 @@ import os
 from time import sleep
 
 import psycopg
-from django.db import IntegrityError, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
 from django.db.models import Min
 from django.utils import timezone
 from django_q.brokers.orm import ORM
@@ -41,7 +41,7 @@ class OrderedORM(ORM):
 
     def announce(self) -> None:
         """Wake a waiting cluster (PostgreSQL): delivered when the message's transaction commits."""
-        database = connections[Conf.ORM]
+        database = connections[Conf.ORM or DEFAULT_DB_ALIAS]
         if database.vendor == "postgresql":
             with database.cursor() as cursor:
                 cursor.execute("SELECT pg_notify(%s, '')", [QUEUE_CHANNEL])
@@ -63,7 +63,7 @@ class OrderedORM(ORM):
     def listener(self) -> psycopg.Connection | None:
         """This process's LISTEN connection (its own, in autocommit; not Django's, which a
         transaction may hold), opened on first use; None on another database or while down."""
-        database = connections[Conf.ORM]
+        database = connections[Conf.ORM or DEFAULT_DB_ALIAS]
         if database.vendor != "postgresql":
             return None
         if self._listener is not None and self._listener_pid == os.getpid() and not self._listener.closed:
