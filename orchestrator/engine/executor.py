@@ -45,6 +45,7 @@ def run_isolated(lease: Lease) -> str:
     if pid == 0:  # the executor
         code = 0
         try:
+            processes.forget_keeper()  # only the worker holds its keeper's pipe
             os.setsid()
             processes.die_with_parent()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -62,7 +63,7 @@ def run_isolated(lease: Lease) -> str:
                 os._exit(code)
     # If this worker dies (kill -9, OOM), the executor dies with it (die_with_parent) and
     # the keeper kills what the executor started, wherever it was re-parented (processes.py).
-    keeper = processes.SessionKeeper(pid)
+    keeper = processes.guard_session(pid)
     try:
         return Watchdog(lease, pid).watch()
     finally:

@@ -7,8 +7,8 @@ re-parented to the worker (not to init), so it stays findable in the worker's tr
 That covers an executor that dies while its worker lives. When the worker itself dies
 (kill -9, OOM), the executor dies with it (PR_SET_PDEATHSIG) but its subprocesses, and
 theirs, are re-parented to init, out of every tree we know. A *session keeper* covers that
-case: a tiny process forked by the worker beside each executor, holding one end of a pipe
-whose other end only the worker holds. The executor runs in a session of its own, and its
+case: a tiny process forked once by each worker and kept across its tasks, holding one end of a
+pipe whose other end only the worker holds, told which executor's session it guards. The executor runs in a session of its own, and its
 subprocesses stay in that session (their own process groups, not their own sessions), so
 when the pipe breaks (the worker is gone) the keeper kills every process of that session,
 wherever it was re-parented. A descendant that starts a session of its own (a daemonizing
@@ -144,31 +144,51 @@ def _kill_until_gone(find, timeout: float) -> list[int]:
 
 
 class SessionKeeper:
-    """Kills every process of session `sid` (an executor's) if this process dies without
-    releasing it first (see the module doc). Start it after forking the executor, so that
-    the executor never holds the pipe's worker end.
+    """Kills every process of the session it guards (an executor's) if this process dies
+    without releasing it first (see the module doc). One per worker process, started on first
+    use and kept across its tasks (a fork per task cost as much as the executor's own):
 
-        keeper = SessionKeeper(executor_pid)
+        keeper = processes.keeper()
+        keeper.guard(executor_pid)
         try: ... watch the executor ...
         finally: keeper.release()
-    """
 
-    RELEASED = b"r"
+    Fork the executor before calling guard(), and have the executor drop its copy of the pipe's
+    write end (forget_keeper()), so that only this process holds it: its death reads as EOF."""
 
-    def __init__(self, sid: int):
-        read_end, self._write_end = os.pipe()
+    def __init__(self):
+        read_end, self._write_end = os.pipe()  # non-inheritable: an exec'd descendant never holds it
         self.pid = os.fork()
         if self.pid == 0:
-            _keep(sid, read_end)  # never returns
+            _keep(read_end)  # never returns
         os.close(read_end)
+        self.owner = os.getpid()
+        self.stopped = False
         _keepers.add(self.pid)
 
+    def guard(self, sid: int) -> None:
+        """From now on, this process's death kills session `sid`."""
+        self._tell(b"g%d\n" % sid)
+
     def release(self) -> None:
-        """This process is done with the session (it killed what was left): the keeper exits
-        without touching anything."""
+        """This process is done with the session (it killed what was left): left alone."""
+        self._tell(b"r\n")
+
+    def _tell(self, word: bytes) -> None:
+        os.write(self._write_end, word)  # a line is far below PIPE_BUF: written whole
+
+    def forget(self) -> None:
+        """In a forked child (the executor): drop the inherited write end without a word."""
+        os.close(self._write_end)
+
+    def stop(self) -> None:
+        """Release and end the keeper (this process goes on without one)."""
+        if self.stopped:
+            return
+        self.stopped = True
         try:
-            os.write(self._write_end, self.RELEASED)
-        except BrokenPipeError:  # the keeper was killed (by hand): nothing to tell it
+            self._tell(b"q\n")
+        except OSError:  # the keeper was killed (by hand): nothing to tell it
             pass
         finally:
             os.close(self._write_end)
@@ -185,8 +205,43 @@ class SessionKeeper:
         _keepers.discard(self.pid)
 
 
-def _keep(sid: int, read_end: int) -> None:
-    """The keeper's life: wait for the worker's word or its death; on its death, kill the session."""
+_keeper: SessionKeeper | None = None
+
+
+def keeper() -> SessionKeeper:
+    """This process's session keeper, started now if it has none (or its keeper is gone)."""
+    global _keeper
+    if _keeper is not None and (_keeper.owner != os.getpid() or _keeper.stopped or not alive(_keeper.pid)):
+        if _keeper.owner == os.getpid():
+            _keeper.stop()  # killed by hand: collected, a new one starts
+        _keeper = None
+    if _keeper is None:
+        _keeper = SessionKeeper()
+    return _keeper
+
+
+def guard_session(sid: int) -> SessionKeeper:
+    """Have this process's keeper guard session `sid` (a new keeper if the old one is gone)."""
+    try:
+        guarding = keeper()
+        guarding.guard(sid)
+    except OSError:  # it died between the look and the word
+        guarding = keeper()
+        guarding.guard(sid)
+    return guarding
+
+
+def forget_keeper() -> None:
+    """In a child just forked from a worker (the executor): drop the worker's keeper pipe."""
+    global _keeper
+    if _keeper is not None:
+        _keeper.forget()
+        _keeper = None
+
+
+def _keep(read_end: int) -> None:
+    """The keeper's life: follow the worker's words (guard a session, release it, quit) until
+    its death (EOF); then kill the session it guarded, if any."""
     code = 0
     try:
         os.setsid()  # out of the worker's process group: a Ctrl-C to it does not reach the keeper
@@ -197,9 +252,24 @@ def _keep(sid: int, read_end: int) -> None:
         os.closerange(3, read_end)
         os.closerange(read_end + 1, os.sysconf("SC_OPEN_MAX"))
         _libc.prctl(PR_SET_NAME, ctypes.c_char_p(b"orch-keeper"), 0, 0, 0)  # what ps shows
-        word = os.read(read_end, 1)  # blocks until the worker's word or its death
-        if word != SessionKeeper.RELEASED:  # EOF: the worker died holding the session
-            kill_session(sid)
+        guarded = None
+        with os.fdopen(read_end, "rb", buffering=0) as words:
+            buffered = b""
+            while True:
+                chunk = words.read(256)  # blocks until a word or the worker's death
+                if not chunk:
+                    break
+                buffered += chunk
+                *lines, buffered = buffered.split(b"\n")
+                for line in lines:
+                    if line.startswith(b"g"):
+                        guarded = int(line[1:])
+                    elif line == b"r":
+                        guarded = None
+                    elif line == b"q":
+                        os._exit(0)
+        if guarded is not None:  # EOF: the worker died holding the session
+            kill_session(guarded)
     except BaseException:
         code = 1
     finally:

@@ -93,14 +93,21 @@ def test_a_killed_executor_or_worker_leaves_no_process_behind(victim, mark, sett
 KEEPING_WORKER = """
 import subprocess, sys, time
 from orchestrator.engine import processes
+# Two tasks in a row, as a worker runs them: the first's session released, the second's guarded.
+done = subprocess.Popen(["sleep", "600"], start_new_session=True)  # stands for the first executor
+first = processes.guard_session(done.pid)
+first.release()
 leader = subprocess.Popen(["sh", "-c", sys.argv[1]], start_new_session=True)  # stands for the executor
-keeper = processes.SessionKeeper(leader.pid)
-print(leader.pid, keeper.pid, flush=True)
+keeper = processes.guard_session(leader.pid)
+assert keeper is first  # one keeper per worker, kept across its tasks
+print(leader.pid, keeper.pid, done.pid, flush=True)
 time.sleep(600)
 """
 
 
 def test_the_keeper_kills_the_session_when_its_worker_dies(mark):
+    """The worker's one keeper, after a first task's session was released and while it guards
+    the second's: the worker's death kills the second session, and leaves the first alone."""
     import subprocess
     import sys
 
@@ -109,30 +116,54 @@ def test_the_keeper_kills_the_session_when_its_worker_dies(mark):
 
     worker = subprocess.Popen([sys.executable, "-c", KEEPING_WORKER, TREE], cwd=ROOT, stdout=subprocess.PIPE,
                               text=True, env={**os.environ, MARK_VARIABLE: mark})
+    done = None
     try:
-        leader, keeper = map(int, worker.stdout.readline().split())
+        leader, keeper, done = map(int, worker.stdout.readline().split())
         tree = wait_for(lambda: (lambda found: found if len(found) >= 5 else None)(marked(mark)), timeout=10,
                         message="the worker, the leader and its tree")
         assert processes.session_members(leader)
         os.kill(worker.pid, signal.SIGKILL)  # the worker dies holding the session
         wait_for(lambda: not processes.session_members(leader), timeout=10, message="the session to be killed")
         wait_for(lambda: not processes.alive(keeper), timeout=10, message="the keeper to exit")
-        assert set(still_alive(tree)) <= {worker.pid}  # (a zombie until this test reaps it)
+        assert set(still_alive(tree)) <= {worker.pid, done}  # (the worker: a zombie until this test reaps it)
+        assert processes.alive(done)  # released: not the keeper's to kill
     finally:
         worker.kill()
         worker.wait()
+        if done:
+            os.kill(done, signal.SIGKILL)
 
 
-def test_a_released_keeper_leaves_the_session_alone(mark):
+def test_a_released_keeper_leaves_the_session_alone_and_a_stopped_one_exits(mark):
     import subprocess
 
     leader = subprocess.Popen(["sleep", "300"], start_new_session=True)
     try:
-        keeper = processes.SessionKeeper(leader.pid)
+        keeper = processes.guard_session(leader.pid)
         assert processes.alive(keeper.pid)
         keeper.release()
+        assert processes.keeper() is keeper and processes.alive(keeper.pid)  # kept for the next task
+        keeper.stop()
         assert not processes.alive(keeper.pid)
         assert leader.poll() is None and processes.session_members(leader.pid) == [leader.pid]
+        assert processes.keeper() is not keeper  # a new one when asked again
+        processes.keeper().stop()
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+def test_a_keeper_killed_by_hand_is_replaced_at_the_next_task(mark):
+    import subprocess
+
+    leader = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        killed = processes.keeper()
+        os.kill(killed.pid, signal.SIGKILL)
+        wait_for(lambda: not processes.alive(killed.pid), timeout=10, message="the keeper to die")
+        replacement = processes.guard_session(leader.pid)
+        assert replacement is not killed and processes.alive(replacement.pid)
+        replacement.stop()
     finally:
         leader.kill()
         leader.wait()
