@@ -35,8 +35,9 @@ class OrderedORM(ORM):
     _listener_pid: int | None = None
 
     def enqueue(self, package) -> int:
-        pk = super().enqueue(package)
-        self.announce()
+        with transaction.atomic(using=Conf.ORM or DEFAULT_DB_ALIAS):  # the message and its announce: one commit
+            pk = super().enqueue(package)
+            self.announce()
         return pk
 
     def announce(self) -> None:

@@ -35,7 +35,18 @@ def reserve(task_id: int, n: int = 1) -> int:
     caller's copy of the row says; returns the last. The row stays locked until the
     transaction ends, so the seqs are taken in order, without gaps."""
     # updated_at moves too: the web process's tailer finds changed tasks by it.
-    Task.objects.filter(pk=task_id).update(event_seq=F("event_seq") + n, updated_at=timezone.now())
+    now = timezone.now()
+    if connection.vendor == "postgresql" or connection.features.can_return_columns_from_insert:  # SQLite 3.35+
+        # One round trip instead of an UPDATE and a SELECT (every status change, every task created).
+        with connection.cursor() as cursor:
+            cursor.execute(f"UPDATE {Task._meta.db_table} SET event_seq = event_seq + %s, updated_at = %s "
+                           f"WHERE id = %s RETURNING event_seq",
+                           [n, connection.ops.adapt_datetimefield_value(now), task_id])
+            row = cursor.fetchone()
+        if row is None:
+            raise Task.DoesNotExist(f"task {task_id} does not exist")
+        return row[0]
+    Task.objects.filter(pk=task_id).update(event_seq=F("event_seq") + n, updated_at=now)
     return Task.objects.values_list("event_seq", flat=True).get(pk=task_id)
 
 
