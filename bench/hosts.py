@@ -73,26 +73,31 @@ def held_by(host: subprocess.Popen, hosts) -> dict[int, tuple[int, str]]:
             if host_of(t.worker_pid, hosts) is host}
 
 
-def prefetched() -> dict[int, int]:
+def prefetched() -> dict[int, tuple[int, object]]:
     """Tasks whose message some cluster has taken from the broker but that no worker has claimed
-    (in a cluster's prefetch, django-q2's internal queue): {task id: lease epoch}. The victim's
-    die with it; only the sweeper's re-send gets them going (ORCH_REQUEUE_AFTER_SECONDS)."""
+    (in a cluster's prefetch, django-q2's internal queue): {task id: (lease epoch, enqueued_at)}.
+    The victim's die with it; only the sweeper's re-send gets them going
+    (ORCH_REQUEUE_AFTER_SECONDS). Every hand-over to the broker stamps enqueued_at, so a task
+    claimed with a newer stamp than at the kill ran from a message sent again (the dead host's lost
+    ones are among those); one claimed with the same stamp ran from the message it had (a live
+    host's prefetch, merely waiting in a busy cluster)."""
     from django.utils import timezone
     from django_q.signing import SignedPackage
 
-    waiting = dict(Task.objects.filter(status__in=("queued", "running"), lease_owner="")
-                   .values_list("pk", "lease_epoch"))
+    waiting = {pk: (epoch, enqueued_at) for pk, epoch, enqueued_at in
+               Task.objects.filter(status__in=("queued", "running"), lease_owner="")
+               .values_list("pk", "lease_epoch", "enqueued_at")}
     if BROKER == "redis":
         import redis
 
         listed = redis.Redis.from_url(os.environ["REDIS_URL"]).lrange("django_q:orchestrator:q", 0, -1)
         in_broker = {package["args"][0] for package in map(SignedPackage.loads, listed) if package.get("args")}
-        return {pk: epoch for pk, epoch in waiting.items() if pk not in in_broker}
+        return {pk: seen for pk, seen in waiting.items() if pk not in in_broker}
     from django_q.models import OrmQ
 
     packages = map(SignedPackage.loads, OrmQ.objects.filter(lock__gt=timezone.now()).values_list("payload", flat=True))
     taken = {package["args"][0] for package in packages if package.get("args")}  # schedules carry no task id
-    return {pk: epoch for pk, epoch in waiting.items() if pk in taken}
+    return {pk: seen for pk, seen in waiting.items() if pk in taken}
 
 
 def messages_of(task_id: int) -> str:
@@ -136,9 +141,14 @@ def main():
     waited: list[float] = []  # lease taken back -> running again: waiting for a free worker slot
     held_total = 0
     never: list[int] = []  # tasks a dead host held that did not run again within the 120 s watched
-    # Tasks in some cluster's prefetch at the kill (the victim's among them): kill -> claimed.
+    # Tasks in some cluster's prefetch at the kill (the victim's among them): kill -> claimed, apart
+    # for those that ran from a message sent again (lost with the dead host, or put back) and
+    # those that ran from the message they had (a live host's prefetch).
     prefetch_claimed: list[float] = []
+    resent_claimed: list[float] = []
+    kept_claimed: list[float] = []
     prefetch_never: list[int] = []
+    resent_never: list[int] = []
     try:
         for kill in range(KILLS):
             deadline = time.monotonic() + 60
@@ -160,10 +170,14 @@ def main():
             released_at: dict[int, float] = {}
             ran_again = 0
             while (pending or taken) and time.monotonic() - killed_at < 120:
-                claimed = Task.objects.filter(pk__in=list(taken)).values_list("pk", "status", "lease_epoch")
-                for task_id, status, epoch in claimed:
-                    if status in TERMINAL or epoch > taken[task_id]:
+                claimed = Task.objects.filter(pk__in=list(taken)).values_list("pk", "status", "lease_epoch",
+                                                                               "enqueued_at")
+                for task_id, status, epoch, enqueued_at in claimed:
+                    epoch_then, enqueued_then = taken[task_id]
+                    if status in TERMINAL or epoch > epoch_then:
                         prefetch_claimed.append(time.monotonic() - killed_at)
+                        resent = enqueued_at is not None and (enqueued_then is None or enqueued_at > enqueued_then)
+                        (resent_claimed if resent else kept_claimed).append(prefetch_claimed[-1])
                         del taken[task_id]
                 for task_id, (epoch, owner) in list(pending.items()):
                     t = Task.objects.filter(pk=task_id).only("status", "lease_epoch", "worker_pid", "lease_owner").first()
@@ -182,6 +196,9 @@ def main():
                 time.sleep(0.02)
             never += list(pending)
             prefetch_never += list(taken)
+            resent_never += [task_id for task_id, (_, enqueued_then) in taken.items()
+                             if Task.objects.filter(pk=task_id, **({"enqueued_at__gt": enqueued_then} if enqueued_then
+                                                                   else {"enqueued_at__isnull": False})).exists()]
             for task_id in pending:  # why: what the database says of each one still waiting
                 t = Task.objects.get(pk=task_id)
                 print(f"    task {task_id} not running again: status {t.status}, lease {t.lease_owner or '-'} "
@@ -222,6 +239,16 @@ def main():
                   f"{pct(prefetch_claimed, 50) if prefetch_claimed else float('nan'):.2f} s, p95 "
                   f"{pct(prefetch_claimed, 95) if prefetch_claimed else float('nan'):.2f} s; "
                   f"not within {RUN_AGAIN_WITHIN:g} s: {late} ({len(prefetch_never)} not within 120 s)")
+            for label, times, stuck in (
+                    ("ran from a message sent again (the dead host's lost ones among them)", resent_claimed,
+                     resent_never),
+                    ("ran from the message they had (a live host's prefetch)", kept_claimed,
+                     [t for t in prefetch_never if t not in resent_never])):
+                late = sum(1 for seconds in times if seconds > RUN_AGAIN_WITHIN) + len(stuck)
+                print(f"    {label}: n {len(times) + len(stuck)}, claimed p50 "
+                      f"{pct(times, 50) if times else float('nan'):.2f} s, p95 "
+                      f"{pct(times, 95) if times else float('nan'):.2f} s; not within {RUN_AGAIN_WITHIN:g} s: {late} "
+                      f"({len(stuck)} not within 120 s)")
         print(f"  steps committed twice (fencing): {doubled}; tasks completed so far: {done}/{TASKS}")
     finally:
         # The hosts first: a task that finished meanwhile made the terminate below fail and
