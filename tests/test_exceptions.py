@@ -20,6 +20,8 @@ INTERNAL = {
     "orchestrator.agent.history.Unsettled": "caught by the agent's turn, which settles the call and asks again",
     "orchestrator.agent.compaction.NothingToCompact": "caught by the compaction step",
     "orchestrator.engine.checkpoint.EventTakenAlready": "caught by the checkpoint, which retries the wait",
+    "orchestrator.engine.wal._RecordedEarlier": "caught by wal._perform_in_transaction, which then reads what the "
+                                                "earlier execution settled",
     "orchestrator.llm.client._Retry": "the client's retry loop",
     "orchestrator.llm.standin._Aborted": "the stand-in server's own stream loop",
     "orchestrator.primitives.faults.InjectedFault": "the crash tests' fault points (ORCH_FAULTS), never in production",
