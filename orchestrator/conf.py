@@ -151,8 +151,9 @@ TABLE: tuple[Setting, ...] = (
             "PostgreSQL: wait for the disk flush when committing a step that had no side effect "
             "(off: such a step is recomputed if the database server itself crashes)"),
     Setting("ORCH_PREPARE_STEP_COMMIT", boolean, True,
-            "PostgreSQL: prepare the step's commit statement once per connection instead of parsing and planning "
-            "it on every step (about half the statement's server time); turn it off behind a pooler in transaction "
+            "PostgreSQL: prepare the step's commit statement and a transactional effect's record once per connection "
+            "instead of parsing and planning them on every step (most of their server time); turn it off behind a "
+            "pooler in transaction "
             "mode that does not keep prepared statements (PgBouncer before 1.21)"),
     Setting("ORCH_FAULTS", str, "",
             "fault injection for the crash tests (`orchestrator/primitives/faults.py`); unset in production",
