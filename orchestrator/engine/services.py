@@ -100,8 +100,9 @@ def task_create(*, type: str, params: dict, limits: dict | None = None, title: s
                                                 f"put the details in the params")])
     granted = authorize_params(type, clean_params, actor=actor)
     with transaction.atomic():
+        # The status is the model's default (queued); it changes only in states.transition.
         task = Task.objects.create(type=type, title=title, params=clean_params, limits=clean_limits,
-                                   status=S.QUEUED, created_by=actor if getattr(actor, "is_authenticated", False) else None)
+                                   created_by=actor if getattr(actor, "is_authenticated", False) else None)
         append_event(task, "created", {"type": type, "params": clean_params})
         audit(action="task.create", actor=actor, ip=ip, task=task,
               after={"type": type, "params": clean_params, "limits": clean_limits})

@@ -1,6 +1,6 @@
 """One writer per durable record (issue 23, item 2): the statements that write a WAL entry's
-status, a task's progress `seq` (Task.event_seq) and its `inbox_pending` counter are in
-their owner module only. Other modules call the owner (wal.settle, events.reserve /
+status, a task's progress `seq` (Task.event_seq), its `inbox_pending` counter and its status
+(a task changes status only in `states.transition`) are in their owner module only. Other modules call the owner (wal.settle, events.reserve /
 reserve_locked / reserve_sql, inbox_counter.added / consumed / reject_pending); the one-statement
 checkpoint takes its SQL fragments from the owners (wal.done_sql, events.reserve_sql).
 
@@ -34,6 +34,9 @@ def column_writes(column: str) -> list[str]:
     ]
 
 
+TASK_TABLE = r"(?:\{task\}|\{TABLES\[[\"']task[\"']\]\}|\{[^{}]*Task\._meta\.db_table[^{}]*\}|\"?orchestrator_task\b\"?)"
+TASK_STATUS = r"(?:S|TaskStatus)\."
+
 WAL_TABLE = r"(?:\{wal\}|\{TABLES\[[\"']wal[\"']\]\}|\{[^{}]*WalEntry\._meta\.db_table[^{}]*\}|\"?orchestrator_walentry\b)"
 
 RECORDS = {
@@ -46,6 +49,15 @@ RECORDS = {
     ]),
     "Task.event_seq (the progress seq)": ("orchestrator/engine/events.py", column_writes("event_seq")),
     "Task.inbox_pending": ("orchestrator/engine/inbox_counter.py", column_writes("inbox_pending")),
+    # A task's status changes only in a transition (checked against the table of allowed ones,
+    # evented and audited); a new task starts with the model's default, `queued`.
+    "Task.status (a task's transitions)": ("orchestrator/engine/states.py", [
+        r"\btask\.status\s*=(?!=)",  # task.status = S.RUNNING (saved by a save())
+        rf"\.status\s*=\s*{TASK_STATUS}",  # other.status = TaskStatus.DONE
+        rf"{WRITING_CALL}{ARGS}\bstatus\s*=\s*{TASK_STATUS}",  # .update(status=S.QUEUED), .create(...)
+        rf"[\"']status[\"']\s*:\s*{TASK_STATUS}",  # {"status": S.QUEUED} (an update(**fields))
+        rf"(?i:\bUPDATE\s+{TASK_TABLE}\s+SET\b(?:(?!\bWHERE\b)[\s\S])*?\bstatus\s*=)",  # raw SQL
+    ]),
 }
 
 
@@ -125,6 +137,17 @@ CAUGHT = {
         'Task.objects.filter(pk=task.pk).update(inbox_pending=count)',
     ],
 }
+CAUGHT["Task.status (a task's transitions)"] = [
+    'task.status = S.RUNNING',
+    'task.status = "queued"',
+    'Task.objects.filter(pk=task.pk).update(status=S.QUEUED, lease_owner="")',
+    'Task.objects.create(type=type, title=title,\n                    status=S.QUEUED, created_by=None)',
+    'Task.objects.filter(pk=pk).update(**{"status": TaskStatus.PAUSED})',
+    'parent.status = TaskStatus.FAILED',
+    "UPDATE {task} SET heartbeat_at = %s, status = 'running' WHERE id = %s",
+    "cursor.execute(f\"UPDATE {TABLES['task']} SET status = %s WHERE id = %s\", ['queued', pk])",
+    'UPDATE "orchestrator_task" SET status = %s',
+]
 READS = [
     'WalEntry.objects.filter(task=task, status=WalStatus.PENDING).order_by("id")',
     'if entry.status == WalStatus.DONE:',
@@ -140,6 +163,11 @@ READS = [
     'if task.inbox_pending >= harness.inbox["pause_at"]:',
     '"inbox": (task.inbox_pending, True) if task.inbox_pending else (None, False),',
     'self.inbox_consumed_at = -1 if task.inbox_pending else task.inbox_seq',
+    'Task.objects.filter(status=S.RUNNING, claimed_at__lt=now).exclude(lease_owner="")',
+    'if task.status == S.PAUSED:',
+    'Task.objects.filter(pk=task_id, status__in=WAITING).update(enqueued_at=now)',
+    "UPDATE {task} SET heartbeat_at = %(now)s WHERE id = %(task_id)s AND status = 'running'",
+    'states.transition(task, S.QUEUED, reason=why, lease_owner="")',
 ]
 
 
