@@ -18,7 +18,7 @@ def create_task(request, body: TaskCreateIn):
     require(request, roles.OPERATOR)
     task = services.task_create(type=body.type, params=body.params, limits=body.limits, title=body.title,
                                 actor=request.auth, ip=client_ip(request))
-    return Status(201, task_out(task, request.auth))
+    return Status(201, task_out(task, request.auth, just_created=True))
 
 
 @router.get("/tasks", response=responses({200: TaskPageOut}, PARAMS))

@@ -119,6 +119,11 @@ def check_cost(ctx) -> None:
                                                f"resume")
 
 
+# The totals of a task with no model call yet (what `totals` returns for it).
+NO_CALLS = {"attempts": 0, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "cost": None,
+            "estimated_attempts": 0}
+
+
 def totals(task_id: int) -> dict:
     """The task's ledger summed: attempts, tokens in / out / cached, cost, and how many were estimated."""
     sums = ModelCallAttempt.objects.filter(task_id=task_id).aggregate(

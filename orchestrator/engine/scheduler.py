@@ -12,6 +12,8 @@ broker again, ahead of the queue (`send_again`; worker.drive_task and lease.clai
 say why)."""
 import logging
 
+from datetime import datetime
+
 from django.db import transaction
 from django.utils import timezone
 
@@ -22,9 +24,12 @@ log = logging.getLogger(__name__)
 DRIVE = "orchestrator.engine.worker.drive_task"
 
 
-def enqueue(task_id: int) -> None:
-    Task.objects.filter(pk=task_id).update(enqueued_at=timezone.now())
+def enqueue(task_id: int) -> datetime:
+    """Send the task to a worker once the transaction commits; returns its new `enqueued_at`."""
+    now = timezone.now()
+    Task.objects.filter(pk=task_id).update(enqueued_at=now)
     transaction.on_commit(lambda: send(task_id))
+    return now
 
 
 def send_again(task_id: int) -> bool:

@@ -109,7 +109,7 @@ def task_create(*, type: str, params: dict, limits: dict | None = None, title: s
         if granted:
             audit(action="task.grant", actor=actor, ip=ip, task=task, reason="granted beyond the safe defaults",
                   after=granted)
-        scheduler.enqueue(task.pk)
+        task.enqueued_at = scheduler.enqueue(task.pk)
     log.info("task created", extra={"task_id": task.pk})
     return task
 

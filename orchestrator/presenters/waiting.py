@@ -18,7 +18,9 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db.models import F
+from django.db import connection
+from django.db.models import Count, F, Window
+from django.db.models.functions import RowNumber
 from django.urls import reverse
 from django.utils import timezone
 
@@ -114,11 +116,24 @@ class Facts:
                                                     interrupted=True, accounted=False)
                         .only("id", "task_id", "step_id", "completion_tokens", "created_at").order_by("id")):
                 self.attempts[row.task_id] = row  # the newest per task
-        self.queue: list[int] = []
-        if any(_unclaimed(t) for t in tasks):
-            self.queue = list(Task.objects.filter(status__in=(S.QUEUED, S.RUNNING), lease_owner="")
-                              .order_by(F("enqueued_at").asc(nulls_last=True), "id").values_list("pk", flat=True))
-        self.positions = {pk: index for index, pk in enumerate(self.queue, start=1)}
+        # Each unclaimed task's place in the queue and the queue's length, counted by the database:
+        # reading the whole queue here cost every POST /api/tasks a read of every task waiting.
+        self.queue_length = 0
+        self.positions: dict[int, int] = {}
+        unclaimed = ids(_unclaimed)
+        if unclaimed:
+            ranked = (Task.objects.filter(status__in=(S.QUEUED, S.RUNNING), lease_owner="")
+                      .annotate(position=Window(RowNumber(), order_by=[F("enqueued_at").asc(nulls_last=True),
+                                                                       F("id").asc()]),
+                                length=Window(Count("id")), queued_task=F("id")))
+            # The window runs over the whole queue; only then are this batch's rows picked (Django
+            # would filter on pk before the window).
+            inner, params = ranked.values_list("queued_task", "position", "length").query.sql_with_params()
+            marks = ", ".join(["%s"] * len(unclaimed))
+            with connection.cursor() as cursor:
+                cursor.execute(f"SELECT * FROM ({inner}) ranked WHERE ranked.queued_task IN ({marks})", [*params, *unclaimed])
+                for pk, position, length in cursor.fetchall():
+                    self.positions[pk], self.queue_length = position, length
         paused = ids(lambda t: t.status == S.PAUSED and not t.paused_by_limit)
         self.pauses: dict[int, AuditEntry] = {}
         if paused:
@@ -268,7 +283,7 @@ def _paused(task: Task, now: datetime, facts: Facts) -> WaitingOn:
 def _queued(task: Task, now: datetime, facts: Facts) -> WaitingOn:
     since = task.enqueued_at or task.created_at
     position = facts.positions.get(task.pk)
-    where = f"{ordinal(position)} of {len(facts.queue)} in the queue" if position else "in the queue"
+    where = f"{ordinal(position)} of {facts.queue_length} in the queue" if position else "in the queue"
     if task.status == S.RUNNING and task.recovering_since:
         return WaitingOn("recovery", f"being recovered since {clock(task.recovering_since, now)} (its worker "
                                      f"stopped): waiting for a worker to take it over, {where}",

@@ -51,6 +51,23 @@ def test_create_list_and_show_a_task_with_a_bearer_token(client, operator):
     assert audit.actor == operator and audit.task_id == created["id"]
 
 
+def test_the_answer_to_a_create_is_the_task_as_a_get_shows_it_before_a_worker_takes_it(client, operator):
+    """POST /api/tasks answers without reading steps, model calls or reviews (a new task has none):
+    the answer must be what GET shows for the same task, field for field."""
+    from orchestrator.engine import llm_ledger
+
+    headers = bearer(operator)
+    ahead = client.post("/api/tasks", {"type": "demo.migrate_rows", "params": {"rows": 100}},
+                        content_type="application/json", **headers)
+    assert ahead.status_code == 201, ahead.content  # the new one is 2nd of 2
+    created = client.post("/api/tasks", {"type": "demo.migrate_rows", "params": {"rows": 100}},
+                          content_type="application/json", **headers).json()
+    shown = client.get(f"/api/tasks/{created['id']}", **headers).json()
+    assert created == shown
+    assert created["waiting_on"]["kind"] == "queue" and "2nd of 2 in the queue" in created["waiting_on"]["text"]
+    assert llm_ledger.totals(created["id"]) == llm_ledger.NO_CALLS == created["counters"]["model_usage"]
+
+
 def test_bad_params_get_422_naming_the_field_and_nothing_is_created(client, operator):
     response = client.post("/api/tasks", {"type": "demo.migrate_rows", "params": {"rows": 0, "batch_size": "many"}},
                            content_type="application/json", **bearer(operator))
