@@ -5,6 +5,7 @@ row is locked by the writing transaction. Channel messages are only hints to wak
 listeners; readers fetch events from the database by seq.
 """
 import logging
+from datetime import datetime
 
 from django.db import connection, transaction
 from django.db.models import F
@@ -24,7 +25,7 @@ TASK_LIST_GROUP = "tasks"
 
 def append_event(task: Task, kind: str, payload: dict) -> TaskEvent:
     """Append one event to `task`'s log in the current transaction."""
-    task.event_seq = reserve(task.pk)
+    task.event_seq, task.updated_at = _reserve(task.pk, 1)  # the copy stays what the row says
     return create_event(task, task.event_seq, kind, payload)
 
 
@@ -34,9 +35,14 @@ def reserve(task_id: int, n: int = 1) -> int:
     """Reserve the next `n` seqs of task `task_id` in the current transaction, whatever the
     caller's copy of the row says; returns the last. The row stays locked until the
     transaction ends, so the seqs are taken in order, without gaps."""
+    return _reserve(task_id, n)[0]
+
+
+def _reserve(task_id: int, n: int) -> tuple[int, datetime]:
+    """`reserve`, with the task's new `updated_at`."""
     # updated_at moves too: the web process's tailer finds changed tasks by it.
     now = timezone.now()
-    if connection.vendor == "postgresql" or connection.features.can_return_columns_from_insert:  # SQLite 3.35+
+    if connection.features.can_return_columns_from_insert:  # PostgreSQL; SQLite 3.35+
         # One round trip instead of an UPDATE and a SELECT (every status change, every task created).
         with connection.cursor() as cursor:
             cursor.execute(f"UPDATE {Task._meta.db_table} SET event_seq = event_seq + %s, updated_at = %s "
@@ -45,9 +51,9 @@ def reserve(task_id: int, n: int = 1) -> int:
             row = cursor.fetchone()
         if row is None:
             raise Task.DoesNotExist(f"task {task_id} does not exist")
-        return row[0]
+        return row[0], now
     Task.objects.filter(pk=task_id).update(event_seq=F("event_seq") + n, updated_at=now)
-    return Task.objects.values_list("event_seq", flat=True).get(pk=task_id)
+    return Task.objects.values_list("event_seq", flat=True).get(pk=task_id), now
 
 
 def reserve_locked(task: Task, n: int = 1, *, saving=()) -> int:
