@@ -21,6 +21,8 @@ that ignores its token goes on until it returns, and what it returns then is dro
 Tools defined outside the core are offered only while the module that defines them is configured
 (ORCH_EXTENSIONS or ORCH_EXTRA_TASK_TYPES, orchestrator/extensions.py).
 """
+import copy
+import functools
 import inspect
 import re
 import threading
@@ -56,6 +58,15 @@ class InvalidArguments(HarnessError, ValueError):
     """The model's arguments do not fit the tool's schema (the message names each problem)."""
 
 
+@functools.cache
+def _args_schema(args: type[BaseModel]) -> dict:
+    """The JSON schema of an `Args` model, made once per class (pydantic builds it anew on each
+    call: a few ms per tool per agent turn, bench/agent.py). Callers get a copy."""
+    parameters = args.model_json_schema()
+    parameters.pop("title", None)
+    return parameters
+
+
 @dataclass(frozen=True)
 class AgentTool:
     name: str
@@ -81,9 +92,7 @@ class AgentTool:
         """The JSON schema of the arguments."""
         if self.parameters is not None:
             return dict(self.parameters)
-        parameters = self.Args.model_json_schema()
-        parameters.pop("title", None)
-        return parameters
+        return copy.deepcopy(_args_schema(self.Args))
 
     def schema(self) -> dict:
         """The tool as offered to the model (Chat Completions `tools` entry)."""

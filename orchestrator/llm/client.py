@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any, Protocol
 
+import httpx2  # openai's HTTP client
 import openai
 
 from ..primitives.cancellation import Cancelled
@@ -290,6 +292,22 @@ class _Retry(Exception):
 
 # --- the client ------------------------------------------------------------------------
 
+_tls_lock = threading.Lock()
+_tls: ssl.SSLContext | None = None
+
+
+def _tls_context() -> ssl.SSLContext:
+    """The HTTP client's default TLS context (the system's CA certificates, as httpx builds it),
+    built once per process: a client is made per model call, and building the context each
+    time was ~20 ms of the harness's overhead per agent turn (bench/agent.py). The context only
+    holds settings and certificates, no connection; each client keeps its own pool."""
+    global _tls
+    with _tls_lock:
+        if _tls is None:
+            _tls = httpx2.create_ssl_context()
+        return _tls
+
+
 class LLMClient:
     """A configured connection to one OpenAI-compatible server. Thread-safe: one instance
     may serve many concurrent calls (the underlying HTTP client pools connections)."""
@@ -307,7 +325,8 @@ class LLMClient:
         # max_retries=0: the package's own retries would sleep without looking at the cancel
         # hook and without logging; RetryPolicy does both.
         self._openai = openai.OpenAI(base_url=self.base_url, api_key=api_key or "none", max_retries=0,
-                                     timeout=self._timeout(read_timeout))
+                                     timeout=self._timeout(read_timeout),
+                                     http_client=openai.DefaultHttpxClient(verify=_tls_context()))
 
     @classmethod
     def from_settings(cls) -> "LLMClient":

@@ -246,3 +246,49 @@ def test_chat_uses_the_llm_settings(standin, settings):
     assert completion.model == STANDIN_MODEL + "+slow=0" and completion.finish_reason == "stop"
     assert client_from_settings().base_url == standin.base_url
     wait_for(lambda: requests_for(standin, STANDIN_MODEL + "+slow=0"), message="the request at the stand-in")
+
+
+def test_every_client_checks_the_server_s_certificate_with_the_one_tls_context_it_shares(make_client, tmp_path):
+    """The TLS context is built once per process and shared by the clients (bench/agent.py: it cost
+    ~20 ms per turn): shared or not, it must still refuse a server whose certificate nobody trusts."""
+    import http.server
+    import ssl
+    import subprocess
+
+    from orchestrator.llm import client as llm_client
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    served = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # never reached: the handshake fails first
+            served.append(self.path)
+            self.send_response(500)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        class SelfSigned:
+            base_url = f"https://127.0.0.1:{server.server_address[1]}/v1"
+
+        first, second = make_client(SelfSigned, max_attempts=1), make_client(SelfSigned, max_attempts=1)
+        for client in (first, second):
+            with pytest.raises(LLMUnavailable) as failure:
+                client.chat(ask("hello over TLS"))
+            assert "CERTIFICATE_VERIFY_FAILED" in str(failure.value)
+        assert served == []  # no request got through
+        assert llm_client._tls_context().verify_mode == ssl.CERT_REQUIRED and llm_client._tls_context().check_hostname
+        assert first._openai._client is not second._openai._client  # each its own connection pool
+    finally:
+        server.shutdown()
+        server.server_close()
