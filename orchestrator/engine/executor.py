@@ -40,11 +40,15 @@ def run_isolated(lease: Lease) -> str:
     # 0.4 s on a quiet machine and over 1 s on a busy one before its first step (bench/hosts.py).
     tasktypes.all_types()
     mcp.preload()  # the MCP SDK too, when servers are declared (a second or more to import)
-    connections.close_all()  # a forked child must not share the parent's sockets
+    keep_connections = _can_keep_connections_across_fork()
+    if not keep_connections:
+        connections.close_all()  # a forked child must not share the parent's sockets
     pid = os.fork()
     if pid == 0:  # the executor
         code = 0
         try:
+            if keep_connections:
+                _drop_inherited_connections()
             processes.forget_keeper()  # only the worker holds its keeper's pipe
             os.setsid()
             processes.die_with_parent()
@@ -68,6 +72,35 @@ def run_isolated(lease: Lease) -> str:
         return Watchdog(lease, pid).watch()
     finally:
         keeper.release()
+
+
+# The worker's database connections, inherited by an executor that must never use nor close
+# them: kept referenced until the executor's os._exit, so that no finalizer runs.
+_inherited_connections: list = []
+
+
+def _can_keep_connections_across_fork() -> bool:
+    """PostgreSQL: the worker keeps its connections while its executor runs (its watchdog polls
+    the task, its next claim follows) instead of closing them before every fork and connecting
+    again: a new PostgreSQL session per task was ~10 ms before each claim (bench/compare.py).
+    SQLite's connections are closed as before (SQLite forbids carrying one across a fork)."""
+    return all(conn.vendor == "postgresql" for conn in connections.all(initialized_only=True))
+
+
+def _drop_inherited_connections() -> None:
+    """In the executor just forked: Django's connections start afresh at their next use, and the
+    worker's stay the worker's. Closing one here would end the worker's session (psycopg sends
+    its Terminate message on the shared socket), so each is let go without a word: its
+    descriptor closed in this process only, the object kept so that no finalizer runs."""
+    for conn in connections.all(initialized_only=True):
+        if conn.connection is None:
+            continue
+        _inherited_connections.append(conn.connection)
+        try:
+            os.close(conn.connection.fileno())
+        except OSError:  # already gone: nothing of it is left here
+            pass
+        conn.connection = None
 
 
 class Watchdog:

@@ -427,3 +427,25 @@ class Swallower(TaskType):
                 with open(ctx.params.marker, "w") as marker:
                     marker.write(f"{type(exc).__name__}: {exc}")
             return {"swallowed": f"{type(exc).__name__}: {exc}"}
+
+
+class SessionParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@register
+class Session(TaskType):
+    """One step that returns the database session it runs on (PostgreSQL's backend pid)."""
+
+    name = "test.session"
+    Params = SessionParams
+
+    def plan(self, params):
+        return [StepSpec("session")]
+
+    def run_step(self, ctx, step_id):
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            return cursor.fetchone()[0]
