@@ -8,12 +8,12 @@ Every record links to its task and to the task's other records (steps, WAL, snap
 events, audit); a changelist opened from such a link shows the task as an active filter."""
 from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
-from django.db import DataError, transaction
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
-from . import roles, selectors
+from . import selectors
+from .admin_guards import AdminsOnly, GuardedChangelistAdmin  # noqa: F401 (the admin_* modules' base, here too)
 from .admin_tables import LargeTableAdmin, RecentValuesFilter
 from .engine import webhooks
 from .engine.audit import audit
@@ -30,40 +30,6 @@ admin.site.index_title = "Records"
 
 TASK_PARAM = "task__id__exact"
 MAX_ID = 2**63 - 1  # ids are signed 64-bit
-
-
-class AdminsOnly:
-    """Every permission, viewing included, for superusers only (a staff user's model
-    permissions do not open it): for what reaches outside the harness or holds its secrets."""
-
-    def has_module_permission(self, request):
-        return roles.is_admin(request.user)
-
-    def has_view_permission(self, request, obj=None):
-        return roles.is_admin(request.user)
-
-    def has_add_permission(self, request, *args):
-        return roles.is_admin(request.user)
-
-    def has_change_permission(self, request, obj=None):
-        return roles.is_admin(request.user)
-
-    def has_delete_permission(self, request, obj=None):
-        return roles.is_admin(request.user)
-
-
-class GuardedChangelistAdmin(admin.ModelAdmin):
-    """A changelist whose filter values the database cannot take (an id or a year past
-    64 bits: OverflowError on SQLite, DataError on PostgreSQL) is treated like any other
-    invalid lookup: the admin redirects to the unfiltered list with `?e=1`, instead of a 500.
-    The savepoint keeps a PostgreSQL transaction usable after the failed query."""
-
-    def get_changelist_instance(self, request):
-        try:
-            with transaction.atomic(using=self.model.objects.db):
-                return super().get_changelist_instance(request)
-        except (OverflowError, DataError) as exc:
-            raise IncorrectLookupParameters(f"a filter value is out of range: {exc}") from exc
 
 
 def _changelist(model, task_id: int, **extra) -> str:

@@ -12,7 +12,7 @@ from django import forms
 from django.conf import settings
 from django.contrib import admin
 
-from .admin import AdminsOnly, GuardedChangelistAdmin
+from .admin_guards import AdminsOnly, GuardedChangelistAdmin
 from .engine.audit import audit
 from .models import McpServer
 from .tools import mcp

@@ -14,7 +14,7 @@ from django.utils.html import format_html
 from django.utils.http import urlencode
 
 from . import roles
-from .admin import AdminsOnly, GuardedChangelistAdmin
+from .admin_guards import AdminsOnly, GuardedChangelistAdmin
 from .engine.audit import audit
 from .models import DeliveryStatus, NotificationDelivery, NotificationSubscription
 from .notifications import EVENTS

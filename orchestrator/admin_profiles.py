@@ -8,7 +8,7 @@ declares is refused: the environment's profile wins, so this one would never be 
 from django import forms
 from django.contrib import admin
 
-from .admin import AdminsOnly
+from .admin_guards import AdminsOnly
 from .engine.audit import audit
 from .llm import profiles
 from .models import ModelProfile

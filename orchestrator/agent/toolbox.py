@@ -202,8 +202,8 @@ def add_source(find: Callable[[str], "AgentTool | None"], names: Callable[[], li
 # built-in's name, and a built-in is found first.
 tooldef.reserve(TOOLS)
 add_source(tooldef.find, tooldef.names)
-# The tools of the MCP servers the installation declares (agent/mcp.py adds itself as a source).
-from . import mcp as _mcp_tools  # noqa: E402,F401
+# The tools of the MCP servers the installation declares: agent/mcp.py adds itself as a source
+# when the package is imported (orchestrator/agent/__init__.py).
 
 
 def find_tool(name: str) -> "AgentTool | None":

@@ -3,7 +3,7 @@ cancellation token, effect() through the WAL, and helpers that obey the token.""
 import logging
 import subprocess
 import threading
-from datetime import datetime, timedelta
+from datetime import timedelta
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -12,7 +12,6 @@ from django.db import transaction
 from django.utils import timezone
 from pydantic import BaseModel
 
-from ..primitives.errors import HarnessError, StepSignal
 from .. import telemetry
 from ..tools.http import http_call
 from ..tools.llm import stream_completion
@@ -22,25 +21,9 @@ from ..primitives.cancellation import CancellationToken
 from .lease import Lease
 from .events import append_event
 from .lease import lock_fenced
+# What a step raises or sees raised; step code imports them from here too.
+from .signals import LimitExceeded, StepTimedOut, WaitForEvent, WaitTimedOut  # noqa: F401
 
-
-class LimitExceeded(StepSignal):
-    """A task limit ran out inside a step: the task pauses with this reason, keeping its work."""
-
-    def __init__(self, limit: str, detail: str = ""):
-        # `detail` says why, for the operator (the task's status_reason: "limit: L (detail)").
-        super().__init__(f"limit: {limit}" + (f" ({detail})" if detail else ""))
-        self.limit, self.detail = limit, detail
-
-
-class StepTimedOut(HarnessError, TimeoutError):
-    """The step ran past its timeout (StepSpec.timeout) and was cancelled: a failed attempt."""
-
-    def __init__(self, step_id: str, seconds: float):
-        super().__init__(f"step {step_id} ran longer than its timeout of {seconds:g} s and was cancelled "
-                         f"(raise StepSpec.timeout, the type's step_timeout or ORCH_STEP_TIMEOUT_SECONDS if it "
-                         f"needs longer)")
-        self.seconds = seconds
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +38,6 @@ def replay_safe(tool_name: str, args: dict) -> bool:
         return bool(tool.transactional or tool.is_idempotent(args))
     except Exception:  # an unknown tool or invalid args fail in wal.perform; fail closed here
         return False
-
-
-class WaitForEvent(StepSignal):
-    """Raised by ctx.wait_for when the event has not arrived: the runner parks the task in
-    `waiting` (no worker held) until it does or the deadline passes; the step runs again then."""
-
-    def __init__(self, event_type: str, until: datetime | None, match: dict | None = None):
-        super().__init__(f"waiting for {event_type}" + (f" with {match}" if match else "")
-                         + (f" until {until.isoformat()}" if until else ""))
-        # `match` is kept with the wait, so only an event that fits it wakes the task.
-        self.event_type, self.until, self.match = event_type, until, dict(match or {})
-
-
-class WaitTimedOut(HarnessError, TimeoutError):
-    """ctx.wait_for's deadline passed before the event came (the step may catch it)."""
 
 
 class TrackedParams:

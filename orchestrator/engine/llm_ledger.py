@@ -20,6 +20,7 @@ from django.db import transaction
 from django.db.models import Count, Sum
 
 from ..models import AgentMessage, ModelCallAttempt, Task
+from .signals import LimitExceeded
 
 log = logging.getLogger(__name__)
 Outcome = ModelCallAttempt.Outcome
@@ -108,7 +109,6 @@ def costs_of(task_ids: list[int]) -> dict[int, Decimal]:
 def check_cost(ctx) -> None:
     """Before a model call: raise LimitExceeded("max_cost") when the task's cost reached its
     max_cost (the task pauses; raise max_cost and resume)."""
-    from .context import LimitExceeded
 
     limit = (Task.objects.filter(pk=ctx.task_id).values_list("limits", flat=True).first() or {}).get("max_cost")
     if limit is None:
