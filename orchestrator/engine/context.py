@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from .. import telemetry
 from ..tools.http import http_call
 from ..tools.llm import stream_completion
-from ..tools.shell import run_in_group
+from ..tools.process_groups import run_in_group
 from . import approvals, inbox, wal
 from ..primitives.cancellation import CancellationToken
 from .lease import Lease
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 def replay_safe(tool_name: str, args: dict) -> bool:
     """Cutting this effect mid-flight and running it again cannot do it twice: its tool is
     idempotent for these args, or transactional (a cut rolls it back). Unknown: not safe."""
-    from ..tools.base import get_tool
+    from ..tools.catalog import get_tool
 
     try:
         tool = get_tool(tool_name)

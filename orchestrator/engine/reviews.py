@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from ..models import OnExpiry, ReviewItem, ReviewKind, ReviewStatus, Task, TaskStatus as S, WalEntry
 from ..notifications import APPROVAL_EXPIRED, REVIEW_OPENED, notify
-from ..tools.base import get_tool
+from ..tools.catalog import get_tool
 from . import approvals, inbox, scheduler, states, wal
 from .audit import audit
 from .events import append_event

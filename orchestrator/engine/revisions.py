@@ -23,7 +23,8 @@ from django.db import transaction
 from ..models import InboundEvent, Step, StepStatus, Task, TaskStatus as S, WalEntry, WalStatus
 from ..tasktypes import get_type
 from ..tasktypes.base import StepSpec
-from ..tools.base import ToolError, get_tool
+from ..tools.base import ToolError
+from ..tools.catalog import get_tool
 from . import actions, approvals, compat, inbox, scheduler, snapshots, states
 from .checkpoint import snapshot_now, step_row
 from .events import append_event

@@ -42,7 +42,8 @@ from django.utils import timezone
 from ..primitives.errors import HarnessError, StepSignal
 from .. import telemetry
 from ..models import IdempotencyRecord, Task, WalEntry, WalStatus
-from ..tools.base import OutcomeUnknown, ProbeResult, ToolError, get_tool
+from ..tools.base import OutcomeUnknown, ProbeResult, ToolError
+from ..tools.catalog import get_tool
 from ..primitives.cancellation import Cancelled
 from ..primitives.faults import fault_point
 from .lease import Lease, LeaseLost, bump_fenced

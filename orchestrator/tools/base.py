@@ -113,22 +113,6 @@ _TOOLS: dict[str, Tool] = {}
 
 
 def register(cls: type[Tool]) -> type[Tool]:
+    """A tool class's decorator: one instance of it is the tool `cls.name` (tools/catalog.py finds it)."""
     _TOOLS[cls.name] = cls()
     return cls
-
-
-def get_tool(name: str) -> Tool:
-    _load_builtin()
-    try:
-        return _TOOLS[name]
-    except KeyError:
-        raise ToolError(f"Unknown tool {name!r}; known tools: {', '.join(sorted(_TOOLS))}") from None
-
-
-def all_tools() -> dict[str, Tool]:
-    _load_builtin()
-    return dict(_TOOLS)
-
-
-def _load_builtin() -> None:
-    from . import db, email, http, mcp, shell  # noqa: F401  (each registers itself)

@@ -26,55 +26,25 @@ import logging
 import re
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 from django.conf import settings
 from django.core.signals import setting_changed
 from django.db import DatabaseError
 
 from .base import Tool, ToolError, register
+# What the client module shares with this one; imported from here by the rest of the harness.
+from .mcp_protocol import IDEMPOTENCY_META_KEY, ListedTool, ServerConfig, result_text  # noqa: F401
 from ..primitives.errors import HarnessError
 
 log = logging.getLogger(__name__)
 
 READ_ONLY, IDEMPOTENT, KEYED, NON_IDEMPOTENT = "read_only", "idempotent", "keyed", "non_idempotent"
 EFFECTS = (READ_ONLY, IDEMPOTENT, KEYED, NON_IDEMPOTENT)
-# A _meta key of our own (the spec's naming rule: a reverse-DNS prefix that is not
-# modelcontextprotocol's or mcp's, a slash, a name).
-IDEMPOTENCY_META_KEY = "io.orchestrator/idempotency-key"
 # `<server>__<tool>`: a server's name has no "__" and does not end with "_", so the first
 # "__" of an offered name is where the server's name ends.
 SERVER_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]|_(?!_))*$")
 SEPARATOR = "__"
 CONFIG_TTL_SECONDS = 2.0  # admin changes made by another process are seen this soon
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """One MCP server: a stdio command or a streamable-HTTP url. `env` and `headers` are
-    secrets (orchestrator/redaction_sources.py redacts their values everywhere)."""
-
-    name: str
-    command: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-    url: str = ""
-    headers: tuple[tuple[str, str], ...] = ()
-    tool_effects: tuple[tuple[str, str], ...] = ()
-    origin: str = "ORCH_MCP_SERVERS"
-    timeout: float = field(default=60.0, compare=False)
-
-    @property
-    def transport(self) -> str:
-        return "stdio" if self.command else "streamable-http"
-
-    @property
-    def connection(self) -> tuple:
-        """What a session depends on: a change of any of it opens a new session."""
-        return (self.command, self.env, self.url, self.headers)
-
-    def effect_override(self, tool: str) -> str | None:
-        return dict(self.tool_effects).get(tool)
 
 
 class ConfigError(HarnessError, ValueError):
@@ -210,16 +180,6 @@ def effect_class(annotations: dict | None, override: str | None = None) -> str:
     return NON_IDEMPOTENT
 
 
-@dataclass(frozen=True)
-class ListedTool:
-    """A tool as the server lists it (tools/list), in plain values."""
-
-    name: str
-    description: str
-    input_schema: dict
-    annotations: dict
-
-
 def client():
     """The client module (imports the SDK on first use)."""
     from . import mcp_client
@@ -255,28 +215,6 @@ def close_all() -> None:
     module = sys.modules.get(f"{__package__}.mcp_client")
     if module is not None:
         module.close_all()
-
-
-def result_text(result: Any) -> str:
-    """A call's result as the model reads it: the text parts, else the structured content,
-    and a line for each part that is not text."""
-    import json
-
-    if not isinstance(result, dict) or "content" not in result:  # e.g. a reviewer's {"confirmed_by_reviewer": true}
-        return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
-    parts = []
-    for part in result.get("content") or []:
-        if part.get("type") == "text":
-            parts.append(part.get("text") or "")
-        elif part.get("type") in ("resource_link", "resource"):
-            parts.append(f"[{part['type']}: {part.get('uri', '')}]")
-        else:
-            parts.append(f"[{part.get('type', 'content')}: {part.get('mime_type') or ''} not shown]")
-    text = "\n".join(p for p in parts if p)
-    structured = result.get("structured_content")
-    if structured is not None and not text:
-        text = json.dumps(structured, ensure_ascii=False, default=str)
-    return text or "(no content)"
 
 
 @register

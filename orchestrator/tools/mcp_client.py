@@ -9,7 +9,7 @@ failed, or whose declaration changed, is replaced at the next use. A process tha
 
 A stdio server is a child process of the process that uses it — in an executor, part of
 the executor's tree: its own process group, in the executor's session, with a clean
-environment (shell.clean_environment: nothing of the worker's secrets) plus the server's
+environment (process_groups.clean_environment: nothing of the worker's secrets) plus the server's
 `env`. So it dies with the executor: the watchdog kills what an executor leaves behind, and
 the session keeper kills the executor's session if the worker itself dies
 (engine/processes.py). Its stderr goes to the log, a line a record (logger
@@ -41,8 +41,8 @@ from pydantic import ValidationError
 
 from ..primitives.cancellation import Cancelled
 from .base import OutcomeUnknown, ToolError
-from .mcp import IDEMPOTENCY_META_KEY, ListedTool, ServerConfig
-from .shell import clean_environment
+from .mcp_protocol import IDEMPOTENCY_META_KEY, ListedTool, ServerConfig, result_text
+from .process_groups import clean_environment
 
 log = logging.getLogger(__name__)
 
@@ -467,8 +467,6 @@ def _plain(result: types.CallToolResult) -> dict:
 
 
 def _error_text(plain: dict) -> str:
-    from .mcp import result_text
-
     return result_text(plain)[:2000]
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from .base import ToolError
-from .shell import kill_group, process_group
+from .process_groups import kill_group, process_group
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ from orchestrator.engine.recovery import recover_task
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import Task, WalEntry
 from orchestrator.primitives.cancellation import CancellationToken
-from orchestrator.tools.base import OutcomeUnknown, ToolError, get_tool
+from orchestrator.tools.base import OutcomeUnknown, ToolError
+from orchestrator.tools.catalog import get_tool
 from orchestrator.tools.email import message_id
 from review.models import ReviewItem
 from review.services import review_open

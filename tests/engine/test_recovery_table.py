@@ -30,7 +30,7 @@ from orchestrator.engine.runner import Runner
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import IdempotencyRecord, Step, Task, TaskEvent, WalEntry
 from orchestrator.tasktypes import get_type
-from orchestrator.tools.base import get_tool
+from orchestrator.tools.catalog import get_tool
 from review.models import ReviewItem
 from tests.conftest import wait_for
 from tests.support.helpers import drive_and_close, one_effect

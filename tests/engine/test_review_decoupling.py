@@ -21,7 +21,7 @@ from orchestrator.engine import approvals, reviews, services
 from orchestrator.engine.recovery import recover_task
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import InboundEvent, ReviewItem, Task, WalEntry
-from orchestrator.tools.base import get_tool
+from orchestrator.tools.catalog import get_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 REVIEW_APP = str(ROOT / "review") + "/"

@@ -14,7 +14,7 @@ from orchestrator.engine.context import StepContext as EngineStepContext
 from orchestrator.engine.worker import drive_inline
 from orchestrator.models import AgentMessage, Step, Task, WalEntry
 from orchestrator.primitives.cancellation import CancellationToken
-from orchestrator.tools.base import get_tool
+from orchestrator.tools.catalog import get_tool
 from review.models import ReviewItem
 from tests.extensions import faulty_tools
 from tests.support.attacker_model import AttackerModel

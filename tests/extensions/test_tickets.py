@@ -8,7 +8,8 @@ import pytest
 
 from orchestrator import extensions
 from orchestrator.primitives.cancellation import CancellationToken, Cancelled
-from orchestrator.tools.base import OutcomeUnknown, ProbeResult, ToolError, get_tool
+from orchestrator.tools.base import OutcomeUnknown, ProbeResult, ToolError
+from orchestrator.tools.catalog import get_tool
 from tests.conftest import free_port, wait_for
 
 KEY = "t7:open:0"

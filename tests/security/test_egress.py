@@ -13,7 +13,8 @@ import pytest
 
 from orchestrator.primitives.cancellation import CancellationToken
 from orchestrator.tools import egress
-from orchestrator.tools.base import OutcomeUnknown, ToolError, get_tool
+from orchestrator.tools.base import OutcomeUnknown, ToolError
+from orchestrator.tools.catalog import get_tool
 from orchestrator.tools.http import http_call
 
 POLICED = {"egress": "policy"}

@@ -22,7 +22,8 @@ from orchestrator.primitives.cancellation import CancellationToken, Cancelled
 from orchestrator.tools import sandbox
 from orchestrator.tools.base import ToolError
 from orchestrator.tools.sandbox import SandboxLimitReached, SandboxUnavailable
-from orchestrator.tools.shell import ShellRun, run_in_group
+from orchestrator.tools.process_groups import run_in_group
+from orchestrator.tools.shell import ShellRun
 from tests.conftest import wait_for
 
 # On a machine without Debian's bubblewrap, shell_run refuses every call (fail closed, tested
