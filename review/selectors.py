@@ -1,7 +1,7 @@
 from django.db.models import Q, QuerySet
 
 from orchestrator.agent.toolbox import known_names as agent_tool_names
-from orchestrator.tools.base import all_tools
+from orchestrator.tools.catalog import all_tools
 
 from orchestrator.models import WalEntry
 

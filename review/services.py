@@ -18,7 +18,7 @@ from orchestrator.engine.audit import audit
 from orchestrator.engine.events import append_event
 from orchestrator.engine.services import FieldError, InvalidInput
 from orchestrator.models import IdempotencyRecord, TaskStatus as S, WalStatus
-from orchestrator.tools.base import get_tool
+from orchestrator.tools.catalog import get_tool
 
 from . import approvals as approval_decisions
 from .approvals import DecisionRefused, ReviewClosed, closed_message  # noqa: F401 - the API's and pages' errors
