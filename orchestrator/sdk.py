@@ -44,7 +44,7 @@ from pydantic import BaseModel
 from .agent import toolbox  # the built-ins' names are reserved before any extension's tool is declared
 from .agent import tooldef
 from .agent.tooldef import ToolCall, tool
-from .engine.context import LimitExceeded, WaitTimedOut
+from .engine.signals import LimitExceeded, WaitTimedOut
 from .models import EffectClass
 from .primitives.cancellation import CancellationToken, Cancelled
 from .primitives.errors import HarnessError, StepSignal

@@ -314,7 +314,7 @@ class PlanExecuteAgent(TaskType):
 
     # --- a model call ---------------------------------------------------------------------
     def _turn(self, ctx, turn: int):
-        from ..engine.context import LimitExceeded
+        from ..engine.signals import LimitExceeded
 
         p = ctx.params
         if turn > p.max_turns:
@@ -369,7 +369,7 @@ class PlanExecuteAgent(TaskType):
         return messages, offered, calibrated_prompt_tokens(ctx.task_id, turn, messages, offered)
 
     def _check_window(self, profile, prompt: int) -> None:
-        from ..engine.context import LimitExceeded
+        from ..engine.signals import LimitExceeded
 
         if profile.context_window < prompt + MIN_CALL_TOKENS:
             raise LimitExceeded("context_window", detail=(
@@ -379,7 +379,7 @@ class PlanExecuteAgent(TaskType):
 
     def _compact_now(self, ctx, turn: int, profile, *, reason: str) -> dict:
         """Summarise the turns before `turn` within this turn's step (recorded in its result)."""
-        from ..engine.context import LimitExceeded
+        from ..engine.signals import LimitExceeded
 
         try:
             return compaction.compact(ctx, history.current(ctx.task_id), up_to_turn=turn - 1, profile=profile,
@@ -419,7 +419,7 @@ class PlanExecuteAgent(TaskType):
 
     def _ask(self, ctx, turn: int, profile, messages, offered, prompt: int, remaining: int) -> dict:
         """One model call for the turn, streamed to the page, its answer kept as the turn's row."""
-        from ..engine.context import LimitExceeded
+        from ..engine.signals import LimitExceeded
 
         p = ctx.params
         cap = min(p.max_tokens_per_call, remaining - prompt, profile.context_window - prompt)
