@@ -131,7 +131,8 @@ class Facts:
             inner, params = ranked.values_list("queued_task", "position", "length").query.sql_with_params()
             marks = ", ".join(["%s"] * len(unclaimed))
             with connection.cursor() as cursor:
-                cursor.execute(f"SELECT * FROM ({inner}) ranked WHERE ranked.queued_task IN ({marks})", [*params, *unclaimed])
+                cursor.execute(f"SELECT * FROM ({inner}) ranked WHERE ranked.queued_task IN ({marks})",
+                               [*params, *unclaimed])
                 for pk, position, length in cursor.fetchall():
                     self.positions[pk], self.queue_length = position, length
         paused = ids(lambda t: t.status == S.PAUSED and not t.paused_by_limit)
