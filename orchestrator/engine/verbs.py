@@ -118,10 +118,14 @@ class Verb:
         for spec in self.inputs:
             kind = spec.kind
             extra = {"max_length": spec.max_length} if kind is str else {}
+            description = spec.help
             if spec.required and kind is str:
-                extra["pattern"] = r"\S"  # not only blanks: the service strips it
+                # Not a `pattern` in the schema: the service decides, and a repeated request (the
+                # task already in the verb's state) is answered as done whatever it carries;
+                # otherwise a blank value is refused with a 422 that says what to give.
+                description += "; not blank (refused with 422 unless the task is already in the verb's state)"
             default = ... if spec.required else (False if kind is bool else 0 if kind is int else "")
-            fields[spec.name] = (kind, Field(default, description=spec.help, **extra))
+            fields[spec.name] = (kind, Field(default, description=description, **extra))
         name = "".join(part.capitalize() for part in self.name.split("_")) + "In"
         return create_model(name, __config__=ConfigDict(extra="ignore"), **fields)
 
