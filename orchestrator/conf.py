@@ -95,6 +95,10 @@ TABLE: tuple[Setting, ...] = (
     Setting("ORCH_EXECUTOR_CONTROL_POLL_SECONDS", float, 0.1,
             "with `ORCH_ISOLATE_EXECUTION` on: how often a worker reads its task's control column: Force-terminate, a "
             "Stop past its grace, a lease lost to another worker (each kills the executor's process tree)"),
+    Setting("ORCH_EXECUTOR_MAX_RUNS", int, 100,
+            "with `ORCH_ISOLATE_EXECUTION` on: task runs one executor process serves before its worker forks a new one "
+            "(1: a new process for every run). A killed or crashed executor, or one whose run left a thread running, "
+            "is never reused"),
     Setting("ORCH_EXTRA_TASK_TYPES", names, [], "extra task type modules, comma-separated (plug-ins, tests)"),
     Setting("ORCH_EXTENSIONS", names, [],
             "your own modules (dotted paths, comma-separated) defining tools and task types with "
@@ -411,6 +415,10 @@ class HarnessSettings:
     @property
     def executor_control_poll_seconds(self) -> float:
         return settings.ORCH_EXECUTOR_CONTROL_POLL_SECONDS
+
+    @property
+    def executor_max_runs(self) -> int:
+        return settings.ORCH_EXECUTOR_MAX_RUNS
 
     @property
     def default_limits(self) -> dict:

@@ -12,11 +12,10 @@ started (processes.SessionKeeper).
 """
 import logging
 import os
-import select
 import signal
 import time
 
-from django.db import connections, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from .. import tasktypes, telemetry
@@ -26,8 +25,8 @@ from ..models import Task, TaskStatus as S
 from ..tools import mcp
 from . import processes, states
 from .lease import Lease, LeaseLost, lock_fenced
+from .executor_process import ExecutorProcess, after_run, ready_executor
 from .recovery import in_doubt_note, recover_task, settle_pending_wal
-from .runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -40,80 +39,25 @@ def run_isolated(lease: Lease) -> str:
     # 0.4 s on a quiet machine and over 1 s on a busy one before its first step (bench/hosts.py).
     tasktypes.all_types()
     mcp.preload()  # the MCP SDK too, when servers are declared (a second or more to import)
-    keep_connections = _can_keep_connections_across_fork()
-    if not keep_connections:
-        connections.close_all()  # a forked child must not share the parent's sockets
-    pid = os.fork()
-    if pid == 0:  # the executor
-        code = 0
-        try:
-            if keep_connections:
-                _drop_inherited_connections()
-            processes.forget_keeper()  # only the worker holds its keeper's pipe
-            os.setsid()
-            processes.die_with_parent()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            Runner(lease, watched=True).run()  # this process's watchdog enforces Stop's grace
-        except BaseException:
-            log.exception("executor crashed", extra={"task_id": lease.task_id, "lease_epoch": lease.epoch})
-            code = 1
-        finally:
-            try:
-                mcp.close_all()  # its MCP servers exit now rather than be killed as leftovers
-                connections.close_all()
-                telemetry.flush()  # os._exit skips the exporter's atexit hook
-            finally:
-                os._exit(code)
+    executor = ready_executor()  # this worker's idle executor, or a new one (executor_process.py)
     # If this worker dies (kill -9, OOM), the executor dies with it (die_with_parent) and
     # the keeper kills what the executor started, wherever it was re-parented (processes.py).
-    keeper = processes.guard_session(pid)
+    keeper = processes.guard_session(executor.pid)
     try:
-        return Watchdog(lease, pid).watch()
+        if not executor.start(lease):  # it died while it waited for this run
+            executor = ready_executor()
+            keeper = processes.guard_session(executor.pid)
+            executor.start(lease)
+        return Watchdog(lease, executor).watch()
     finally:
         keeper.release()
-
-
-# The worker's database connections, inherited by an executor that must never use nor close
-# them: kept referenced until the executor's os._exit, so that no finalizer runs.
-_inherited_connections: list = []
-
-
-def _can_keep_connections_across_fork() -> bool:
-    """PostgreSQL: the worker keeps its connections while its executor runs (its watchdog polls
-    the task, its next claim follows) instead of closing them before every fork and connecting
-    again: a new PostgreSQL session per task was ~10 ms before each claim (bench/compare.py).
-    SQLite's connections are closed as before (SQLite forbids carrying one across a fork)."""
-    return all(conn.vendor == "postgresql" for conn in connections.all(initialized_only=True))
-
-
-def _drop_inherited_connections() -> None:
-    """In the executor just forked: Django's connections start afresh at their next use, and the
-    worker's stay the worker's. Closing one here would end the worker's session (psycopg sends
-    its Terminate message on the shared socket), so each is let go without a word: its
-    descriptor closed in this process only, the object kept so that no finalizer runs."""
-    for conn in connections.all(initialized_only=True):
-        if conn.connection is None:
-            continue
-        _inherited_connections.append(conn.connection)
-        try:
-            os.close(conn.connection.fileno())
-        except OSError:  # already gone: nothing of it is left here
-            pass
-        conn.connection = None
+        after_run(executor)
 
 
 class Watchdog:
-    def __init__(self, lease: Lease, pid: int):
-        self.lease, self.pid = lease, pid
-        # A descriptor that becomes readable when the executor exits: the watch wakes at once
-        # instead of at its next poll (up to ORCH_EXECUTOR_WATCH_SECONDS late after every task,
-        # an idle worker slot each time). None where the kernel has no pidfd (before Linux 5.3).
-        try:
-            self.exit_fd = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            self.exit_fd = None
-        self.extra = {"task_id": lease.task_id, "lease_epoch": lease.epoch, "worker": f"{lease.host}:{pid}"}
+    def __init__(self, lease: Lease, executor: ExecutorProcess):
+        self.lease, self.executor, self.pid = lease, executor, executor.pid
+        self.extra = {"task_id": lease.task_id, "lease_epoch": lease.epoch, "worker": f"{lease.host}:{self.pid}"}
         self.database = OutageWatch(log, f"watchdog of task {lease.task_id}")
         # Until the executor heartbeats itself (its supervisor starts once the plan is loaded),
         # this process does: on a loaded machine a new executor took up to 6 s to get there
@@ -136,39 +80,28 @@ class Watchdog:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-            if self.exit_fd is not None:
-                os.close(self.exit_fd)
 
     def on_shutdown(self, signum, frame) -> None:
         self.shutting_down = True
-
-    def wait_for_exit(self, timeout: float) -> None:
-        """Until the executor exits or `timeout` passes (a signal ends it early too)."""
-        if self.exit_fd is None:
-            time.sleep(timeout)
-            return
-        try:
-            select.select([self.exit_fd], [], [], timeout)
-        except InterruptedError:
-            pass
 
     def watch_loop(self) -> str:
         next_poll = 0.0
         while True:
             if self.shutting_down:
                 return self.hand_back()
-            try:
-                done, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                done, status = self.pid, 0
-            if done == self.pid:
+            if self.executor.report() is not None:
+                return self.after_run()
+            exited, status = self.executor.poll_exit()
+            if exited:
                 return self.after_exit(status)
             if time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + harness.executor_control_poll_seconds
                 verdict = self.check_control()
                 if verdict:
                     return verdict
-            self.wait_for_exit(harness.executor_watch_seconds)
+            # Wakes as soon as the executor reports or exits (not at its next poll: the worker
+            # slot is free for the next task at once).
+            self.executor.wait(harness.executor_watch_seconds)
 
     def check_control(self) -> str:
         try:
@@ -214,6 +147,7 @@ class Watchdog:
         # Everything below this worker process belongs to the executor: the executor,
         # its subprocesses, and orphans re-parented to us (we are their subreaper).
         killed = processes.kill_tree(os.getpid(), include_root=False)
+        self.executor.killed()
         log.info("killed the executor tree (%d processes)", len(killed), extra=self.extra)
         return killed
 
@@ -253,6 +187,16 @@ class Watchdog:
                         extra={**self.extra, "resume_strategy": "left_to_sweeper"})
             return False
         return True
+
+    def after_run(self) -> str:
+        """The run is over and the executor alive: kill what the run left running (its subprocesses,
+        and theirs re-parented to this worker), the executor spared for the next run."""
+        leftovers = processes.kill_tree(os.getpid(), include_root=False, sparing={self.pid})
+        if leftovers:
+            log.warning("killed %d processes the run left behind", len(leftovers), extra=self.extra)
+        if self.executor.retiring:
+            self.executor.wait_for_retirement()
+        return "executor finished"
 
     def after_exit(self, status: int) -> str:
         leftovers = processes.kill_tree(os.getpid(), include_root=False)

@@ -102,15 +102,17 @@ def reap_children() -> None:
             return
 
 
-def kill_tree(root: int, *, include_root: bool = True, timeout: float = 2.0) -> list[int]:
+def kill_tree(root: int, *, include_root: bool = True, sparing: frozenset[int] | set[int] = frozenset(),
+              timeout: float = 2.0) -> list[int]:
     """SIGKILL `root` and all its descendants until none is left; returns the pids killed.
+    The processes in `sparing` are left alive (their descendants are not).
 
     Stopping them first (SIGSTOP) keeps a process from forking new children between the
     scan and the kill.
     """
     def targets() -> list[int]:
         found = ([root] if include_root and alive(root) else []) + descendants(root)
-        return [pid for pid in found if pid not in _keepers]
+        return [pid for pid in found if pid not in _keepers and pid not in sparing]
 
     killed = _kill_until_gone(targets, timeout)
     reap_children()

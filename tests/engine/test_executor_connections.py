@@ -45,7 +45,7 @@ def test_the_worker_keeps_its_session_across_its_executor_which_has_its_own():
                           timeout=120, env=process_env(ORCH_EXTRA_TASK_TYPES="tests.support.testtypes"))
     assert done.returncode == 0, done.stderr[-3000:]
     worker = json.loads(done.stdout.strip().splitlines()[-1])
-    executor_session = Step.objects.get(task=task, step_id="session").result
+    executor_session = Step.objects.get(task=task, step_id="session").result["backend"]
     assert worker["outcome"] == "executor finished"
     assert Task.objects.get(pk=task.pk).status == "completed"
     assert worker["after"] == worker["before"], "the worker connected again: its session did not survive the fork"

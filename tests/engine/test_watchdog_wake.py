@@ -4,41 +4,33 @@ one; the fallback sleeps the poll interval."""
 import os
 import time
 
-from orchestrator.engine.executor import Watchdog
-from orchestrator.engine.lease import Lease
-
-
-def forked_child(lifetime: float) -> int:
-    pid = os.fork()
-    if pid == 0:
-        time.sleep(lifetime)
-        os._exit(0)
-    return pid
+from orchestrator.engine.executor_process import ExecutorProcess
 
 
 def test_the_watchdog_wakes_when_its_executor_exits_not_at_its_next_poll():
-    pid = forked_child(0.2)
-    watchdog = Watchdog(Lease(task_id=1, epoch=1, owner="test", host="test", pid=pid), pid)
+    executor = ExecutorProcess()  # a real executor, waiting for its first run
     try:
-        assert watchdog.exit_fd is not None, "this kernel has pidfd_open (Linux 5.3+)"
+        assert executor.exit_fd is not None, "this kernel has pidfd_open (Linux 5.3+)"
+        os.close(executor.lease_write)  # no run for it: it exits
+        executor.lease_write = None
         started = time.monotonic()
-        watchdog.wait_for_exit(60)  # a poll interval far longer than the executor lives
+        executor.wait(60)  # a poll interval far longer than the executor lives
         woke_after = time.monotonic() - started
+        assert executor.poll_exit()[0] or os.waitpid(executor.pid, 0)
     finally:
-        os.waitpid(pid, 0)
-        os.close(watchdog.exit_fd)
+        executor.close()
     assert woke_after < 30, f"woke after {woke_after:.1f} s: at the poll's end, not at the exit"
 
 
 def test_without_a_pidfd_the_watchdog_waits_the_poll_interval():
-    pid = forked_child(5)
-    watchdog = Watchdog(Lease(task_id=1, epoch=1, owner="test", host="test", pid=pid), pid)
+    executor = ExecutorProcess()
     try:
-        os.close(watchdog.exit_fd)
-        watchdog.exit_fd = None
+        os.close(executor.exit_fd)
+        executor.exit_fd = None
         started = time.monotonic()
-        watchdog.wait_for_exit(0.3)
+        executor.wait(0.3)
         assert time.monotonic() - started >= 0.3
     finally:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
+        os.kill(executor.pid, 9)
+        os.waitpid(executor.pid, 0)
+        executor.close()

@@ -431,11 +431,14 @@ class Swallower(TaskType):
 
 class SessionParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # What the step leaves running when it returns: a subprocess, a thread (neither waited for).
+    leave: str = Field("", pattern="^(|subprocess|thread)$")
 
 
 @register
 class Session(TaskType):
-    """One step that returns the database session it runs on (PostgreSQL's backend pid)."""
+    """One step that says which process and database session it runs on (the executor's pid,
+    PostgreSQL's backend pid), optionally leaving something running behind it."""
 
     name = "test.session"
     Params = SessionParams
@@ -444,8 +447,19 @@ class Session(TaskType):
         return [StepSpec("session")]
 
     def run_step(self, ctx, step_id):
+        import subprocess
+        import threading
+
         from django.db import connection
 
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_backend_pid()")
-            return cursor.fetchone()[0]
+        backend = None
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_backend_pid()")
+                backend = cursor.fetchone()[0]
+        left = None
+        if ctx.params.leave == "subprocess":
+            left = subprocess.Popen(["sleep", "600"]).pid
+        elif ctx.params.leave == "thread":
+            threading.Thread(target=time.sleep, args=(600,), name="left-behind", daemon=True).start()
+        return {"pid": os.getpid(), "backend": backend, "left": left}
