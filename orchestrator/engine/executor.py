@@ -24,7 +24,7 @@ from ..outage import DATABASE_DOWN, OutageWatch
 from ..models import Task, TaskStatus as S
 from ..tools import mcp
 from . import processes, states
-from .lease import Lease, LeaseLost, lock_fenced
+from .lease import LEASE_LOST, Lease, LeaseLost, lock_fenced
 from .executor_process import ExecutorProcess, after_run, ready_executor
 from .recovery import in_doubt_note, recover_task, settle_pending_wal
 
@@ -118,7 +118,7 @@ class Watchdog:
         if row is None or row["lease_epoch"] != self.lease.epoch:
             # Another worker owns the task: our executor must not run on.
             self.kill_all()
-            return "lease lost"
+            return LEASE_LOST
         if row["control"] == "terminate":
             return self.terminate("force-terminated by an operator", "terminate")
         requested = row["control_requested_at"]
@@ -164,7 +164,7 @@ class Watchdog:
                     states.transition(task, S.TERMINATED, reason=reason, action=f"task.{control}",
                                       lease_owner="", control="", activities=[])
         except LeaseLost:
-            return "lease lost"
+            return LEASE_LOST
         log.info("task terminated", extra=self.extra)
         return S.TERMINATED
 

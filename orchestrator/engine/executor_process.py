@@ -9,9 +9,10 @@ exiting, with its database session.
 What isolation keeps: one run at a time, in its own session (setsid), killed with its whole tree
 by its watchdog (Force-terminate, a Stop past its grace, a lost lease, the worker shut down) and
 dying with its worker. A killed or crashed executor is never reused: the next run gets a new one.
-An executor is reused only when nothing of its last run is left running in it: every thread the
-run started has ended (a step that ignored its cancellation, a thread a step's code started), and
-its subprocesses are killed by the watchdog before the next run. It retires after
+An executor is reused only when its last run ended without losing its lease and nothing of it is
+left running in it: every thread the run started has ended (a step that ignored its
+cancellation, a thread a step's code started), and its subprocesses are killed by the watchdog
+before the next run. It retires after
 ORCH_EXECUTOR_MAX_RUNS runs (1: a new process for every run, as before).
 
 The worker and its executor talk over two pipes: the worker writes one lease per run (a JSON
@@ -32,7 +33,7 @@ from .. import telemetry
 from ..conf import harness
 from ..tools import mcp
 from . import processes
-from .lease import Lease
+from .lease import LEASE_LOST, Lease
 from .runner import Runner
 
 log = logging.getLogger(__name__)
@@ -222,12 +223,14 @@ def _serve(lease_read: int, report_write: int, keep_connections: bool) -> None:
                     processes.reap_children()  # subprocesses of the last run, killed by the watchdog
                 lease = Lease(**json.loads(line))
                 try:
-                    Runner(lease, watched=True).run()  # this process's watchdog enforces Stop's grace
+                    outcome = Runner(lease, watched=True).run()  # this process's watchdog enforces Stop's grace
                 finally:
                     mcp.close_all()  # its MCP servers exit now rather than be killed as leftovers
                     telemetry.flush()  # os._exit skips the exporter's atexit hook
-                clean = _threads_ended(own_threads, lease)
-                retiring = not clean or runs >= harness.executor_max_runs
+                # A run fenced off by another worker may have been cut anywhere: its process goes
+                # with it, as when its watchdog kills it for the same reason.
+                retiring = (outcome == LEASE_LOST or not _threads_ended(own_threads, lease)
+                            or runs >= harness.executor_max_runs)
                 os.write(report_write, RETIRING if retiring else REUSABLE)
                 if retiring:
                     break

@@ -10,7 +10,7 @@ from ..models import Task, TaskStatus as S
 from ..outage import retry_while_down
 from . import checkpoint, inbox, lease as leases, recovery, reviews, scheduler, states
 from .decision import SLICED, Outcome, decide
-from .lease import LeaseLost
+from .lease import LEASE_LOST, LeaseLost
 from .run_state import RunState
 
 log = logging.getLogger("orchestrator.engine.runner")  # a run's lines keep the runner's logger
@@ -20,7 +20,7 @@ def finish(state: RunState) -> str:
     extra = {"task_id": state.lease.task_id, "lease_epoch": state.lease.epoch}
     if state.lease_lost:
         log.warning("lease lost: this worker stops without writing", extra=extra)
-        return "lease lost"
+        return LEASE_LOST
     active_seconds = state.take_active_seconds()
 
     def write_outcome():
@@ -44,7 +44,7 @@ def finish(state: RunState) -> str:
                                          what="the run's outcome", extra=extra)
     except LeaseLost:
         log.warning("lease lost before the task's outcome was written", extra=extra)
-        return "lease lost"
+        return LEASE_LOST
     log.info("run finished: %s", outcome, extra={**extra, "checkpoint_version": task.checkpoint_version})
     return outcome
 

@@ -28,6 +28,9 @@ class LeaseLost(StepSignal):
     """This worker's lease epoch is stale: another worker owns the task now."""
 
 
+LEASE_LOST = "lease lost"  # what a run, or its watchdog, returns when another worker took the task
+
+
 @dataclass(frozen=True)
 class Lease:
     task_id: int

@@ -17,7 +17,7 @@ from ..primitives.cancellation import CancellationToken
 from ..tasktypes import get_type
 from .plan_state import PlanState
 from .context import LimitExceeded, StepContext
-from .lease import Lease
+from .lease import LEASE_LOST, Lease
 
 # The cancellation reasons of one step's token, which tell its settlement what happened:
 PREEMPTED = "preempted"  # the cancellation reason of a step interrupted by a preempt event
@@ -160,7 +160,7 @@ class RunState:
 
     def halt_reason(self) -> str:
         if self.lease_lost:
-            return "lease lost"
+            return LEASE_LOST
         if self.diverged:
             return "diverged"
         if self.control:

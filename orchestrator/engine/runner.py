@@ -24,7 +24,7 @@ from ..outage import retry_while_down
 from . import checkpoint, consumption, finishing, inbox, lease as leases, preemption, results, run_gate, step_limits
 from .context import StepContext
 from .events import append_event
-from .lease import Lease, LeaseLost
+from .lease import LEASE_LOST, Lease, LeaseLost
 from .outcomes import settle
 from .preemption import top_finished
 from .run_state import PREEMPTED, InFlight, RunState
@@ -151,7 +151,7 @@ class Runner:
                 extra={"task_id": task.pk})
         except LeaseLost:
             log.info("lease lost before the run started", extra={"task_id": task.pk, "lease_epoch": self.lease.epoch})
-            return "lease lost"
+            return LEASE_LOST
         # Results are loaded when a dependant needs them (a long plan's results are not all
         # held in memory); those of the latest steps stay cached for their dependants.
         state.results = results.ResultCache(task.pk)
