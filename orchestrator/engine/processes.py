@@ -70,7 +70,40 @@ def session_members(sid: int) -> list[int]:
 
 
 def descendants(root: int) -> list[int]:
-    """Living (non-zombie) descendants of `root`, parents before children."""
+    """Living (non-zombie) descendants of `root`, parents before children.
+
+    Read from each process's children lists (/proc/<pid>/task/<tid>/children): a few small
+    files for a worker's usual tree (its executor and keeper), where scanning every process of
+    the machine cost ~3 ms after every task run. Kernels without those lists are scanned."""
+    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
+        return _descendants_by_scan(root)
+    found, frontier = [], [root]
+    while frontier:
+        for child in _children(frontier.pop()):
+            stat = _stat(child)
+            if stat is not None and stat[1] != "Z":
+                found.append(child)
+            frontier.append(child)  # a zombie's children are re-parented, but may not be yet
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    """The children of every thread of `pid` (a child belongs to the thread that forked it)."""
+    children = []
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # gone
+        return []
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return children
+
+
+def _descendants_by_scan(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
