@@ -2,9 +2,9 @@
 worker can kill outright. That is what makes Force-terminate immediate even when a step
 ignores its token or blocks in a C call, and what guarantees no descendant survives.
 
-The worker process (a django-q2 worker) is the *watchdog*: it forks the executor, becomes
-a child subreaper (orphaned grandchildren are re-parented to it, so none escapes), polls
-the task's control column, kills the whole tree on Force-terminate (or when a Stop
+The worker process (a django-q2 worker) is the *watchdog*: it forks the executor (or hands
+the next run to the one it has: executor_process.py), becomes a child subreaper (orphaned
+grandchildren are re-parented to it, so none escapes), polls the task's control column, kills the whole tree on Force-terminate (or when a Stop
 outlives its grace period), and notices at once when the executor dies (kill -9, OOM):
 the task is handed to recovery without waiting for its heartbeat to go stale. When the worker
 itself dies, the executor dies with it, and a session keeper kills what the executor had

@@ -114,11 +114,11 @@ class ExecutorProcess:
 
     def wait(self, timeout: float) -> None:
         """Until the executor reports, exits, or `timeout` passes (a signal ends it early too)."""
+        # Without a pidfd (before Linux 5.3) the exit is seen at the watchdog's next poll.
         fds = [fd for fd in (self.exit_fd, self.report_fd) if fd is not None]
-        if self.exit_fd is None:  # no pidfd: the exit is seen at the next poll
-            if self.report_fd is None:
-                time.sleep(timeout)
-                return
+        if not fds:
+            time.sleep(timeout)
+            return
         try:
             select.select(fds, [], [], timeout)
         except InterruptedError:
