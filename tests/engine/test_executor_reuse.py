@@ -96,7 +96,9 @@ def test_a_run_that_left_a_thread_running_retires_its_executor():
     assert not processes.alive(ran_on(leaving)["pid"])
 
 
-def test_a_force_terminated_executor_is_never_reused():
+def stubborn_then_another(end_it) -> tuple[int, list[str], Task]:
+    """A worker runs a step deaf to cancellation, then another task; `end_it(stubborn, executor)`
+    ends the first run mid-step. Returns the first run's executor pid, the outcomes, the second task."""
     stubborn = services.task_create(type="test.interruptible", params={"mode": "ignore_token", "steps": 1})
     after = session_task()
     process = worker([["run", stubborn.pk], ["run", after.pk]])
@@ -104,13 +106,20 @@ def test_a_force_terminated_executor_is_never_reused():
         executor = wait_for(lambda: Task.objects.get(pk=stubborn.pk).worker_pid, timeout=60,
                             message="the stubborn task's executor to start")
         wait_for(lambda: Task.objects.get(pk=stubborn.pk).activities, timeout=30, message="its step to run")
-        services.task_terminate(task_id=stubborn.pk, reason="the test kills it")
-        assert outcomes_of(process) == ["terminated", "executor finished"]
+        end_it(stubborn, executor)
+        outcomes = outcomes_of(process)
     finally:
         if process.poll() is None:
             process.kill()
-    assert not processes.alive(executor)
     assert Task.objects.get(pk=after.pk).status == "completed"
+    return executor, outcomes, after
+
+
+def test_a_force_terminated_executor_is_never_reused():
+    executor, outcomes, after = stubborn_then_another(
+        lambda stubborn, _: services.task_terminate(task_id=stubborn.pk, reason="the test kills it"))
+    assert outcomes == ["terminated", "executor finished"]
+    assert not processes.alive(executor)
     assert ran_on(after)["pid"] != executor, "the killed executor's pid ran the next task"
 
 
@@ -131,17 +140,6 @@ def test_with_max_runs_1_every_run_has_a_new_executor():
 def test_an_executor_killed_mid_step_is_replaced_for_the_next_run():
     # kill -9 of the executor mid-step: its watchdog hands the task to recovery, and the
     # worker's next task runs on a new executor.
-    stubborn = services.task_create(type="test.interruptible", params={"mode": "ignore_token", "steps": 1})
-    after = session_task()
-    process = worker([["run", stubborn.pk], ["run", after.pk]])
-    try:
-        executor = wait_for(lambda: Task.objects.get(pk=stubborn.pk).worker_pid, timeout=60,
-                            message="the executor to start")
-        wait_for(lambda: Task.objects.get(pk=stubborn.pk).activities, timeout=30, message="its step to run")
-        os.kill(executor, signal.SIGKILL)
-        assert outcomes_of(process) == ["executor died", "executor finished"]
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert Task.objects.get(pk=after.pk).status == "completed"
+    executor, outcomes, after = stubborn_then_another(lambda _, executor: os.kill(executor, signal.SIGKILL))
+    assert outcomes == ["executor died", "executor finished"]
     assert ran_on(after)["pid"] != executor
