@@ -27,8 +27,12 @@ def new_task(**fields) -> Task:
     return Task.objects.get(pk=task.pk)
 
 
-def hhmm(value) -> str:
-    return f"{timezone.localtime(value):%H:%M}"
+def hhmm(value, now=None) -> str:
+    """A moment as the page writes it: "10:42" on `now`'s day (today), with its date on another
+    (a deadline 30 minutes away, read at 23:45, is tomorrow's)."""
+    local = timezone.localtime(value)
+    same_day = now is None or local.date() == timezone.localtime(now).date()
+    return f"{local:%H:%M}" if same_day else f"{local:%Y-%m-%d %H:%M}"
 
 
 def running(now, *, activities, heartbeat_ago=2.0, **fields) -> Task:
@@ -96,7 +100,7 @@ def test_an_event_wait_names_the_type_the_step_and_the_deadline():
     found = waiting_on(task, now)
     assert found.kind == "event"
     assert found.text == (f"waiting for the event upstream.ready since {hhmm(task.updated_at)} (step wait-upstream), "
-                          f"until {hhmm(until)} at the latest")
+                          f"until {hhmm(until, now)} at the latest")
     assert (found.deadline, found.link) == (until, "")
 
 
@@ -143,7 +147,7 @@ def test_a_timer_says_when_it_wakes():
     task = new_task(status="waiting", waiting_for=[], waiting_until=now + timedelta(minutes=12))
     found = waiting_on(task, now)
     assert found.kind == "timer"
-    assert found.text == f"waiting for a timer: wakes at {hhmm(now + timedelta(minutes=12))} (in 12 min)"
+    assert found.text == f"waiting for a timer: wakes at {hhmm(now + timedelta(minutes=12), now)} (in 12 min)"
 
 
 def test_a_running_tool_names_the_tool_its_pid_how_long_and_the_lease():
