@@ -213,8 +213,10 @@ class SessionKeeper:
         os.write(self._write_end, word)  # a line is far below PIPE_BUF: written whole
 
     def forget(self) -> None:
-        """In a forked child (the executor): drop the inherited write end without a word."""
-        os.close(self._write_end)
+        """In a forked child (the executor): drop the inherited write end without a word. A
+        stopped keeper's end is closed already (its number may be another descriptor's now)."""
+        if not self.stopped:
+            os.close(self._write_end)
 
     def stop(self) -> None:
         """Release and end the keeper (this process goes on without one)."""

@@ -5,6 +5,7 @@ import os
 import time
 
 from orchestrator.engine.executor_process import ExecutorProcess
+from tests.conftest import wait_for
 
 
 def test_the_watchdog_wakes_when_its_executor_exits_not_at_its_next_poll():
@@ -16,7 +17,11 @@ def test_the_watchdog_wakes_when_its_executor_exits_not_at_its_next_poll():
         started = time.monotonic()
         executor.wait(60)  # a poll interval far longer than the executor lives
         woke_after = time.monotonic() - started
-        assert executor.poll_exit()[0] or os.waitpid(executor.pid, 0)
+        # Its report pipe reads EOF as it exits, a moment before it can be collected.
+        _, status = wait_for(lambda: (lambda done: done if done[0] else None)(executor.poll_exit()), timeout=10,
+                             message="the executor to be collected")
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, \
+            f"the executor did not end as told (wait status {status}): it crashed"
     finally:
         executor.close()
     assert woke_after < 30, f"woke after {woke_after:.1f} s: at the poll's end, not at the exit"
