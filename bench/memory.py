@@ -19,7 +19,8 @@ it never takes REDIS_URL from the environment) are passed to every process it st
    every BENCH_SAMPLE_SECONDS (default 30) and at the end.
 2. Worker: one `qcluster` with one worker runs BENCH_WORKER_STEPS (default 100,000) steps of
    `bench.chain` tasks of BENCH_WORKER_TASK_STEPS (default 10,000) steps, first as in
-   production (isolated: each time slice in a forked executor), then with
+   production (isolated: time slices in an executor the worker forks and reuses, up to
+   ORCH_EXECUTOR_MAX_RUNS slices each), then with
    ORCH_ISOLATE_EXECUTION=false (the worker process itself runs every step, so nothing is
    reset between tasks). RSS of the qcluster parent, the worker and the executor after the
    first 1,000 steps, every 10,000 steps and at the end. BENCH_WORKER_MODES picks modes.
@@ -508,7 +509,7 @@ def worker_mode(mode: str, total: int, per_task: int) -> None:
                              ORCH_ISOLATE_EXECUTION="true" if isolated else "false")
     tree = Tree(cluster.pid)
     print(f"\n  -- {mode}: {len(ids)} tasks of {per_task:,} steps, one qcluster with one worker "
-          + ("(each time slice in a forked executor, as in production)" if isolated else
+          + ("(time slices in an executor the worker reuses, as in production)" if isolated else
              "(ORCH_ISOLATE_EXECUTION=false: the worker process runs every step itself)"))
     print(f"  {'steps':>8} {'s':>6} {'parent':>7} {'sentinel':>8} {'worker':>7} {'executor':>8} {'all':>7}  (RSS MiB)")
     rows, snaps = [], []
@@ -544,7 +545,7 @@ def worker_mode(mode: str, total: int, per_task: int) -> None:
     steps_run = rows[-1][0] - rows[0][0]
     worker_slope = slope([r[0] for r in rows], [r[2]["worker"] for r in rows]) * 10_000 / 1024
     print(f"  growth from {rows[0][0]:,} to {rows[-1][0]:,} steps: {growth} (worker slope {worker_slope:+.2f} MiB "
-          f"per 10,000 steps)" + (f"; executors (one per slice) {mib(min(executors))}–{mib(max(executors))} MiB"
+          f"per 10,000 steps)" + (f"; executors (sampled while a task runs) {mib(min(executors))}–{mib(max(executors))} MiB"
                                    if isolated and executors else ""))
     not_completed = [s for s in statuses.values() if s != "completed"]
     print(f"  {rows[-1][0]:,} steps in {rows[-1][1]:.0f} s ({1000 * rows[-1][1] / max(rows[-1][0], 1):.2f} ms/step "
