@@ -62,7 +62,7 @@ class ExecutorProcess:
         os.close(report_write)
         os.set_blocking(report_read, False)
         self.pid, self.report_fd, self.owner = pid, report_read, os.getpid()
-        self.runs, self.exited, self.retiring = 0, False, False
+        self.exited, self.retiring = False, False
         # Readable when the executor exits: the watchdog wakes at once instead of at its next
         # poll. None where the kernel has no pidfd (before Linux 5.3).
         try:
@@ -76,7 +76,6 @@ class ExecutorProcess:
 
     def start(self, lease: Lease) -> bool:
         """Hand the executor its next run; False if it is gone (it died while it waited)."""
-        self.runs += 1
         try:
             os.write(self.lease_write, json.dumps(dataclasses.asdict(lease)).encode() + b"\n")
         except BrokenPipeError:

@@ -74,7 +74,7 @@ def descendants(root: int) -> list[int]:
 
     Read from each process's children lists (/proc/<pid>/task/<tid>/children): a few small
     files for a worker's usual tree (its executor and keeper), where scanning every process of
-    the machine cost ~3 ms after every task run. Kernels without those lists are scanned."""
+    the machine cost ~2 ms after every task run. Kernels without those lists are scanned."""
     if not os.path.exists(f"/proc/{root}/task/{root}/children"):
         return _descendants_by_scan(root)
     found, frontier = [], [root]
