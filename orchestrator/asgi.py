@@ -3,6 +3,15 @@ import os
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "orchestrator.settings")
+
+from django.apps import apps  # noqa: E402
+from django.conf import settings  # noqa: E402
+
+if not apps.ready and settings.WEB_DATABASE is not None:
+    # This process starts as the web server (daphne imports this module before Django is set
+    # up): its connections come from a pool (settings.WEB_DATABASE says why). A process that
+    # was set up before importing this (the tests, runserver) keeps the connections it has.
+    settings.DATABASES["default"] = settings.WEB_DATABASE
 # Initialise Django before anything imports models (the consumers do).
 django_asgi_app = get_asgi_application()
 

@@ -86,6 +86,10 @@ TABLE: tuple[Setting, ...] = (
     # --- where things live, and what runs
     Setting("ORCH_VAR_DIR", Path, BASE_DIR / "var", "directory for the SQLite file, logs and fault markers"),
     Setting("ORCH_WORKERS", int, 2, "worker processes per `qcluster`"),
+    Setting("ORCH_WEB_DB_POOL_SIZE", int, 20,
+            "PostgreSQL: the web server (daphne) takes its database connections from a pool of at most this many "
+            "instead of opening one per request (a request that waits 5 s for one answers 503); 0: a new "
+            "connection per request"),
     Setting("ORCH_JOB_TIMEOUT_SECONDS", int, 3600, "django-q2 job timeout (its `retry` is set to twice this)"),
     Setting("ORCH_ISOLATE_EXECUTION", boolean, True,
             "run a task's steps in a child process tree that Force-terminate can kill outright"),

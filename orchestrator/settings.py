@@ -137,6 +137,17 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
             if _file.exists() and _file.stat().st_uid == os.getuid() and _file.stat().st_mode & 0o077:
                 _file.chmod(0o600)
 DATABASES = {"default": _db}
+# The web server's connections (applied by asgi.py when the process starts as the server): under
+# ASGI a connection cannot persist across requests (asgi.py says why), so without a pool every
+# request opened one, and PostgreSQL forked a backend for it and warmed its caches: ~5 ms of
+# CPU per API call between daphne and the server (bench/compare.py). psycopg's pool (Django's
+# "pool" option) keeps them; with CONN_HEALTH_CHECKS (on) it checks a connection before handing
+# it out, so one broken by a database restart is replaced, not used.
+WEB_DATABASE = None
+if _db["ENGINE"] == "django.db.backends.postgresql" and ORCH["ORCH_WEB_DB_POOL_SIZE"] > 0:
+    WEB_DATABASE = {**_db, "CONN_MAX_AGE": 0, "OPTIONS": {**_db.get("OPTIONS", {}), "pool": {
+        "min_size": min(2, ORCH["ORCH_WEB_DB_POOL_SIZE"]), "max_size": ORCH["ORCH_WEB_DB_POOL_SIZE"],
+        "timeout": 5}}}
 # How long a web request waits for SQLite's write lock before its 503 (database_busy.py).
 SQLITE_REQUEST_BUSY_TIMEOUT_SECONDS = 3
 
