@@ -14,7 +14,7 @@ and, at the end, whether any step ran twice (fencing: two hosts never commit the
 The heartbeat is 1 s. A host's death is noticed by the sweeper when its tasks' heartbeats
 are older than ORCH_STALE_AFTER_SECONDS, so that bounds the figure from below. Then a
 recovered task needs a free worker slot: it goes before every queued task
-(lease.claim_recovering), but the surviving hosts' slots are all busy, so it waits for one
+(lease.claim_for_delivery), but the surviving hosts' slots are all busy, so it waits for one
 of their runs to yield at a step boundary (lease.should_yield_to_recovered) and a new executor
 to start. Both parts are printed. Prints figures; asserts nothing.
 """

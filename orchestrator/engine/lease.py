@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
 from ..conf import harness
@@ -58,26 +58,37 @@ def claim(task_id: int) -> Lease | None:
     Returns None when someone else holds a live lease, another claimer has the row locked
     (SKIP LOCKED on PostgreSQL), or the task is not runnable.
     """
+    return _claim_first(Task.objects.filter(_claimable(task_id)))
+
+
+def _claimable(task_id: int) -> Q:
     stale_before = timezone.now() - timedelta(seconds=harness.stale_after_seconds)
-    return _claim_first(Task.objects.filter(pk=task_id, status__in=CLAIMABLE).filter(
-        Q(lease_owner="") | Q(heartbeat_at__lt=stale_before) | Q(heartbeat_at__isnull=True)))
+    return Q(pk=task_id, status__in=CLAIMABLE) & (
+        Q(lease_owner="") | Q(heartbeat_at__lt=stale_before) | Q(heartbeat_at__isnull=True))
 
 
-def claim_recovering() -> Lease | None:
-    """Take the lease on the task waiting for a worker whose recovery began first, if any.
+def _recovering() -> Q:
+    return Q(recovering_since__isnull=False, status__in=CLAIMABLE, lease_owner="")
+
+
+def claim_for_delivery(task_id: int) -> Lease | None:
+    """The claim a broker message makes: the task waiting for a worker whose recovery began
+    first if there is one, else `task_id` as `claim` takes it — in one locked query.
 
     A broker message is a turn on a worker slot. The queue is FIFO (Redis) or roughly so (the
     ORM broker), and a recovered task's message goes in at the back: with many tasks queued it
     would wait for all of them — a dead host's tasks would run again minutes later. So the
-    worker that gets a message (worker.drive_task) first takes, among the tasks waiting for a
-    worker, one that is being recovered (`recovering_since` set; the runner clears it once the
-    task is going again), and only then the task the message names. The choice is made when
-    a slot is free, not when the message was sent, so it works with any broker and with the
-    messages a cluster has already prefetched. It is a claim like any other (compare-and-set,
-    SKIP LOCKED on PostgreSQL, a new lease epoch), so fencing is unchanged; the task whose
-    turn it took is handed to the broker again (worker.drive_task)."""
-    return _claim_first(Task.objects.filter(recovering_since__isnull=False, status__in=CLAIMABLE, lease_owner="")
-                        .order_by("recovering_since", "pk"))
+    worker that gets a message (worker.drive_task) takes, among the tasks waiting for a worker,
+    one that is being recovered (`recovering_since` set; the runner clears it once the task is
+    going again) before the task the message names. The choice is made when a slot is free,
+    not when the message was sent, so it works with any broker and with the messages a
+    cluster has already prefetched. It is a claim like any other (compare-and-set, SKIP LOCKED
+    on PostgreSQL, a new lease epoch), so fencing is unchanged; the task whose turn it took is
+    handed to the broker again (worker.drive_task). One query, not a probe for recovered tasks
+    and then the claim: the probe was a transaction of its own on every delivery, and almost
+    always found nothing."""
+    return _claim_first(Task.objects.filter(_recovering() | _claimable(task_id))
+                        .order_by(F("recovering_since").asc(nulls_last=True), "pk"))
 
 
 # A recovered task unclaimed this long is waiting for a slot, not for its message: an idle
@@ -89,14 +100,13 @@ def recovered_waiting():
     """Recovered tasks that wait for a worker slot (a probe of the partial index on
     `recovering_since`, almost always empty; the supervisor's poll asks it with the control
     column, in the same query)."""
-    return Task.objects.filter(recovering_since__isnull=False, status__in=CLAIMABLE, lease_owner="",
-                               enqueued_at__lt=timezone.now() - RECOVERED_WAITING_AFTER)
+    return Task.objects.filter(_recovering(), enqueued_at__lt=timezone.now() - RECOVERED_WAITING_AFTER)
 
 
 def should_yield_to_recovered(task_id: int) -> bool:
     """Whether the run of `task_id` should give its worker slot to a recovered task.
 
-    Running first among waiting tasks (claim_recovering) is not enough when every slot is busy:
+    Running first among waiting tasks (claim_for_delivery) is not enough when every slot is busy:
     a dead host's tasks would wait for whole runs elsewhere to end their slices (ORCH_SLICE_SECONDS).
     So while recovered tasks wait for a slot, as many running tasks as there are such waiting
     ones end their slice at their next step boundary. They are chosen among the runs that have

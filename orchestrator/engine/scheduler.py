@@ -8,7 +8,7 @@ re-sends a queued task that nobody claimed for ORCH_REQUEUE_AFTER_SECONDS
 
 A message is a turn on a worker slot rather than an order to run that very task: a worker
 runs a task being recovered before the one its message names, and hands that one to the
-broker again, ahead of the queue (`send_again`; worker.drive_task and lease.claim_recovering
+broker again, ahead of the queue (`send_again`; worker.drive_task and lease.claim_for_delivery
 say why)."""
 import logging
 

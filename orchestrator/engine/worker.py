@@ -6,7 +6,7 @@ from django.db import close_old_connections
 from .. import telemetry
 from ..conf import harness
 from . import scheduler
-from .lease import claim, claim_recovering
+from .lease import claim, claim_for_delivery
 from .runner import Runner
 from .executor import run_isolated
 
@@ -19,12 +19,11 @@ def drive_task(task_id: int) -> str:
     # A task being recovered runs before the one this message names, which may have waited
     # behind a long queue while the recovered task's own message is at its back (a dead
     # host's tasks would run again only once every queued task had had its turn): see
-    # lease.claim_recovering. The named task is not dropped: it is sent again, to the front (its
-    # message had waited its turn).
-    lease = claim_recovering()
+    # lease.claim_for_delivery. The named task is not dropped: it is sent again, to the front
+    # (its message had waited its turn).
+    lease = claim_for_delivery(task_id)
     if lease is not None and lease.task_id != task_id:
         scheduler.send_again(task_id)
-    lease = lease or claim(task_id)
     if lease is None:
         # Another worker holds a live lease, or the task is no longer runnable: a
         # duplicate delivery is harmless.

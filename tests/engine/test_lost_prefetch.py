@@ -313,7 +313,7 @@ def test_orm_a_task_with_a_waiting_row_is_not_re_sent_a_taken_one_goes_first_a_l
 @pytest.mark.parametrize("broker", ["orm", "redis"])
 def test_a_task_whose_turn_a_recovered_task_took_goes_back_to_the_front_of_the_queue(broker, use_broker, monkeypatch):
     """A worker takes the message of the task at the head of the queue and runs a recovered task
-    in its slot instead (lease.claim_recovering). The task it displaced had waited its turn: it
+    in its slot instead (lease.claim_for_delivery). The task it displaced had waited its turn: it
     is sent again to the front. (At the back, behind a backlog of 900 messages, bench/hosts.py
     saw one not run within 120 s.)"""
     from django_q.brokers import get_broker

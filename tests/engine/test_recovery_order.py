@@ -1,4 +1,4 @@
-"""A recovered task runs before the tasks merely queued (lease.claim_recovering,
+"""A recovered task runs before the tasks merely queued (lease.claim_for_delivery,
 worker.drive_task), with a real worker process, on the ORM broker and on Redis.
 
 One worker slot, a task running and three queued behind it: the running task's executor is
@@ -11,7 +11,12 @@ import signal
 
 import pytest
 
+from datetime import timedelta
+
+from django.utils import timezone
+
 from orchestrator.engine import services
+from orchestrator.engine.lease import claim_for_delivery
 from orchestrator.models import Task, TaskEvent
 from tests.conftest import wait_for
 
@@ -23,6 +28,19 @@ STEPS = 8
 
 def steps_done(task_id: int) -> list[TaskEvent]:
     return list(TaskEvent.objects.filter(task_id=task_id, kind="step_done").order_by("seq"))
+
+
+def test_a_delivery_claims_the_task_whose_recovery_began_first_whatever_its_id_and_then_its_own(settings):
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+    named, recovered_later, recovered_first = (
+        services.task_create(type="test.interruptible", params={"mode": "sleep", "steps": 1, "seconds": 0}).pk
+        for _ in range(3))
+    now = timezone.now()
+    Task.objects.filter(pk=recovered_later).update(recovering_since=now)
+    Task.objects.filter(pk=recovered_first).update(recovering_since=now - timedelta(minutes=1))
+    # Every call is a delivery of the named task's message; each takes a lease on a new task.
+    assert [claim_for_delivery(named).task_id for _ in range(3)] == [recovered_first, recovered_later, named]
+    assert claim_for_delivery(named) is None  # all three held now: a duplicate delivery claims nothing
 
 
 @pytest.mark.parametrize("broker", ["orm", "redis"])
