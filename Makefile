@@ -26,11 +26,13 @@ run: export DEBUG ?= true
 run: migrate
 	$(PY) manage.py runstack
 
-## Run the test suite (DATABASE_URL selects PostgreSQL; REDIS_URL the Redis channel layer).
+## Run the test suite (DATABASE_URL selects PostgreSQL; REDIS_URL the Redis channel layer) on TEST_PROCESSES
+## pytest processes (pytest-xdist; a module's tests stay in one process; 0 runs them all in this one).
+TEST_PROCESSES ?= 2
 MCP_NPM := var/mcp-npm
 MCP_NPM_PACKAGES := @modelcontextprotocol/server-everything@2026.8.31
 test: install $(MCP_NPM)/.installed
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter 0,$(TEST_PROCESSES)),,-n $(TEST_PROCESSES) --dist loadfile) $(PYTEST_ARGS)
 
 ## An MCP server from the npm registry for tests/mcp (its tests skip, saying so, without npm).
 $(MCP_NPM)/.installed:

@@ -7,11 +7,8 @@ the controls box's `data-allowed-actions` says what the last render allowed. Onc
 go through `in_thread` (see test_dashboard.py).
 """
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
-from django.conf import settings as django_settings
 from playwright.sync_api import expect
 
 from orchestrator.engine import services
@@ -19,6 +16,7 @@ from orchestrator.engine.worker import drive_inline
 from orchestrator.models import AuditEntry, Step, Task, TaskEvent
 from tests.browser.conftest import header_badge, in_thread
 from tests.conftest import wait_for
+from tests.support.helpers import stage_processes
 from tests.support.controls import controls
 
 pytestmark = [pytest.mark.browser, pytest.mark.workers, pytest.mark.django_db(transaction=True)]
@@ -26,13 +24,6 @@ pytestmark = [pytest.mark.browser, pytest.mark.workers, pytest.mark.django_db(tr
 LIVE = 60_000  # ms: worker start-up plus the run
 TEST_TYPES = {"ORCH_EXTRA_TASK_TYPES": "tests.support.testtypes"}
 BUTTONS = ("btn-stop", "btn-pause", "btn-resume", "btn-terminate", "btn-edit", "btn-skip-step", "btn-rollback")
-
-
-def stage_processes(task_id: int) -> list[str]:
-    """demo.pipeline's stage subprocesses of the task: `python <VAR_DIR>/pipeline/task-N/stage-KK.py ...`."""
-    pattern = re.escape(str(Path(django_settings.VAR_DIR) / "pipeline" / f"task-{task_id}" / "stage-"))
-    out = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "pgrep" not in line]
 
 
 def visible_controls(page) -> set[str]:

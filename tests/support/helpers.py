@@ -1,6 +1,10 @@
 """Helpers the tests share (instead of a copy per file)."""
 import contextlib
+import re
 import subprocess
+from pathlib import Path
+
+from django.conf import settings
 
 from orchestrator.models import Task, TaskEvent, WalEntry
 from tests.conftest import wait_for
@@ -76,8 +80,10 @@ def done_order(task_id: int) -> list[str]:
 
 
 def stage_processes(task_id: int) -> list[str]:
-    """demo.pipeline's living stage subprocesses of the task (`pgrep -af task-N/stage-`)."""
-    out = subprocess.run(["pgrep", "-af", f"task-{task_id}/stage-"], capture_output=True, text=True).stdout
+    """demo.pipeline's living stage subprocesses of the task: `python <VAR_DIR>/pipeline/task-N/stage-KK.py ...`
+    (VAR_DIR is this pytest process's own: task ids repeat across the suite's processes)."""
+    pattern = re.escape(str(Path(settings.VAR_DIR) / "pipeline" / f"task-{task_id}" / "stage-"))
+    out = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if "pgrep" not in line]
 
 

@@ -25,7 +25,9 @@ STUBBORN = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_I
 
 
 def tag(task_id: int) -> str:
-    return f"orch-test-task-{task_id}"
+    # With the test process's xdist worker in it: task ids repeat across the pytest processes'
+    # databases (tests/support/settings.py).
+    return f"orch-test-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-task-{task_id}"
 
 
 class InterruptibleParams(BaseModel):
