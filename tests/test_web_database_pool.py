@@ -1,18 +1,20 @@
 """The web server's database connections (settings.WEB_DATABASE): daphne, started as in
 production (`daphne orchestrator.asgi:application`), serves its requests on a pool of
-PostgreSQL connections instead of opening one per request, and a pooled connection the server
-killed is replaced, not used. PostgreSQL only: SQLite has no connections to pool."""
+PostgreSQL connections instead of opening one per request, a pooled connection the server
+killed is replaced, not used, and a request that finds the pool empty for 5 s answers 503. PostgreSQL only: SQLite has no connections to pool."""
 import os
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from django.db import connection
+from django.db import connection, transaction
 
 from orchestrator.auth import token_issue
+from orchestrator.models import Task
 from tests.conftest import ROOT, free_port, process_env, wait_for
 from tests.support.services import wait_port
 
@@ -87,3 +89,31 @@ def test_a_pooled_connection_the_database_killed_is_replaced_before_a_request_us
                        "WHERE datname = current_database() AND pid <> pg_backend_pid()")
         assert cursor.fetchone()[0] >= 1
     assert list_tasks(base, token, 10) == [200] * 10
+
+
+def test_a_request_that_waits_five_seconds_for_a_pooled_connection_answers_503_and_the_held_one_completes(
+        daphne, admin_user):
+    token = token_issue(user=admin_user, expires_in_days=1)
+    base = daphne(ORCH_WEB_DB_POOL_SIZE=1)
+    headers = {"Authorization": f"Bearer {token}"}
+    assert requests.get(f"{base}/api/tasks", headers=headers, timeout=30).status_code == 200
+    with ThreadPoolExecutor(1) as pool:
+        with transaction.atomic():
+            with connection.cursor() as cursor:  # the first request blocks on this, holding the only connection
+                cursor.execute(f"LOCK TABLE {Task._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+            held = pool.submit(requests.get, f"{base}/api/tasks", headers=headers, timeout=60)
+            wait_for(lambda: waiting_on_the_lock() >= 1, timeout=15, message="the first request waiting on the lock")
+            started = time.monotonic()
+            refused = requests.get(f"{base}/api/tasks", headers=headers, timeout=30)
+            waited = time.monotonic() - started
+        assert refused.status_code == 503, refused.text
+        assert "database" in refused.json()["detail"] and refused.headers.get("Retry-After")
+        assert 4.5 <= waited < 15, waited
+        assert held.result().status_code == 200  # the lock gone, the held request completes
+
+
+def waiting_on_the_lock() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                       "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()")
+        return cursor.fetchone()[0]
