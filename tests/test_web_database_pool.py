@@ -1,7 +1,8 @@
 """The web server's database connections (settings.WEB_DATABASE): daphne, started as in
 production (`daphne orchestrator.asgi:application`), serves its requests on a pool of
 PostgreSQL connections instead of opening one per request, a pooled connection the server
-killed is replaced, not used, and a request that finds the pool empty for 5 s answers 503. PostgreSQL only: SQLite has no connections to pool."""
+killed is replaced, not used, and a request that finds the pool empty for 5 s answers 503.
+PostgreSQL only: SQLite has no connections to pool."""
 import os
 import signal
 import subprocess
