@@ -28,7 +28,7 @@ run: migrate
 
 ## Run the test suite (DATABASE_URL selects PostgreSQL; REDIS_URL the Redis channel layer) on TEST_PROCESSES
 ## pytest processes (pytest-xdist; a module's tests stay in one process; 0 runs them all in this one).
-TEST_PROCESSES ?= 3
+TEST_PROCESSES ?= 2
 MCP_NPM := var/mcp-npm
 MCP_NPM_PACKAGES := @modelcontextprotocol/server-everything@2026.8.31
 test: install $(MCP_NPM)/.installed
