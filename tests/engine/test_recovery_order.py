@@ -8,11 +8,9 @@ first, and the queued task whose turn it took must still run (no sweeper re-send
 so only the worker sending it again can get it going)."""
 import os
 import signal
-
-import pytest
-
 from datetime import timedelta
 
+import pytest
 from django.utils import timezone
 
 from orchestrator.engine import services
