@@ -50,7 +50,11 @@ Each kind happens at least once: the fault phase goes on, within its time budget
 duration + half of it, at most + 120 s), until every kind has been counted.
 Every process this script starts carries SOAK_RUN_ID in its environment; nothing without it
 is ever signalled. A Force-terminate's executor tree is watched like a kill -9's (stray after
-KILL_STRAY_SECONDS). The settle phase also waits for the open review items to be decided.
+KILL_STRAY_SECONDS), counted from when the database was last reachable: the request reaches
+the worker through the task's control column, so a pg_restart right after it delays the kill
+until the database is back. Only a task running under a lease has its tree watched (a queued
+task's worker_pid names an executor that may since run another task). The settle phase also
+waits for the open review items to be decided.
 
 A scripted reviewer decides each open review item from the SMTP server's log: the message
 with that X-Idempotency-Key was received -> "happened", else "not_happened"; for an
@@ -489,7 +493,10 @@ class Soak:
         self.stopping: dict[int, float] = {}  # index -> when an orderly stop (SIGINT) gives up
         self.stop_strays: dict[int, str] = {}  # processes an orderly cluster stop left behind
         self.kill_strays: dict[int, str] = {}  # processes a kill -9 of their executor/worker/cluster left behind
-        self.kill_watches: list[tuple[float, str, dict[int, str]]] = []  # (check at, fault, tree before the kill)
+        # (check at, fault, tree before the kill, delivered through the database)
+        self.kill_watches: list[tuple[float, str, dict[int, str], bool]] = []
+        self.pg_outages: list[tuple[float, float]] = []  # (stopped at, accepting again at), monotonic
+        self.postponed_watches: list[tuple] = []  # watches whose deadline an outage moved, once noted
         self.run_dir = Path(tempfile.mkdtemp(prefix="orch-soak-"))
         self.marker = Marker()
 
@@ -658,18 +665,35 @@ class Soak:
             self.watch_tree(fault, tree)
         return True
 
-    def watch_tree(self, fault: str, tree: dict[int, str]) -> None:
-        self.kill_watches.append((time.monotonic() + KILL_STRAY_SECONDS, fault, tree))
+    def watch_tree(self, fault: str, tree: dict[int, str], *, through_database: bool = False) -> None:
+        self.kill_watches.append((time.monotonic() + KILL_STRAY_SECONDS, fault, tree, through_database))
+
+    def stray_deadline(self, check_at: float, through_database: bool) -> float:
+        """When a watched tree must be gone: KILL_STRAY_SECONDS after the fault, or, for a request
+        the worker reads from the database, after the database came back from an outage that
+        began before that deadline."""
+        if through_database:
+            for stopped, back in self.pg_outages:
+                if stopped < check_at and back > check_at - KILL_STRAY_SECONDS:
+                    check_at = max(check_at, back + KILL_STRAY_SECONDS)
+        return check_at
 
     def check_kill_watches(self, *, all_of_them: bool = False) -> None:
         """Trees of killed processes whose time is up: note (and kill) what is still alive."""
         now = time.monotonic()
         for watch in list(self.kill_watches):
-            check_at, fault, tree = watch
-            if check_at > now and not all_of_them:
+            check_at, fault, tree, through_database = watch
+            deadline = self.stray_deadline(check_at, through_database)
+            if deadline > check_at and now >= check_at and watch not in self.postponed_watches:
+                # Said in the report: how often the database's outage was what kept the tree alive.
+                self.postponed_watches.append(watch)
+                alive = any(start_time(pid) == started for pid, started in tree.items())
+                self.notes[f"{fault}: tree {'alive' if alive else 'gone'} at its first check past {KILL_STRAY_SECONDS:g} s, "
+                           f"given until {KILL_STRAY_SECONDS:g} s after a pg_restart"] += 1
+            if deadline > now and not all_of_them:
                 continue
-            if check_at > now:
-                time.sleep(check_at - now)
+            if deadline > now:
+                time.sleep(deadline - now)
                 now = time.monotonic()
             self.kill_watches.remove(watch)
             for pid, started in tree.items():
@@ -752,9 +776,11 @@ class Soak:
             self.redis.restart()
             return True
         if kind == "pg_restart":
+            stopped = time.monotonic()
             self.pg.stop("immediate")
             time.sleep(self.rng.uniform(0.5, 2.5))
             self.pg.start()
+            self.pg_outages.append((stopped, time.monotonic()))
             return True
         raise ValueError(kind)
 
@@ -801,8 +827,11 @@ class Soak:
         running = self.db(lambda: Task.objects.filter(pk=task_id).values("status", "worker_pid", "lease_owner")
                           .first()) or {}
         # Force-terminate kills the executor's tree: whatever of it outlives KILL_STRAY_SECONDS is a stray.
-        tree = tree_of(running["worker_pid"]) if verb == "terminate" and running.get("worker_pid") and \
-            self.marker.on(running["worker_pid"]) else {}
+        # Only while a worker runs the task: executors are reused, so a pid left from an earlier run
+        # may name an executor now idle or running another task, which rightly lives on.
+        pid = running.get("worker_pid")
+        held = running.get("status") == "running" and running.get("lease_owner")
+        tree = tree_of(pid) if verb == "terminate" and held and pid and self.marker.on(pid) else {}
         request = getattr(services, f"task_{verb}")
         try:
             task = self.db(request, task_id=task_id, actor=self.operator, reason=f"soak: {kind}")
@@ -810,11 +839,11 @@ class Soak:
             self.notes[f"{kind}: refused ({str(exc)[:60]}) (not counted)"] += 1
             return
         self.ended_by_soak[task_id] = kind
-        if tree:
-            self.watch_tree(kind, tree)
         if task.status in states.TERMINAL:
             self.notes[f"{kind}: applied at once, no worker held the task ({running.get('status')}; not counted)"] += 1
         else:
+            if tree:
+                self.watch_tree(kind, tree, through_database=True)
             self.fault(kind)  # a worker runs it: the runner (Stop) or the watchdog (Force) ends it
 
     def restart_clusters(self) -> None:
