@@ -13,6 +13,22 @@ from django.db import InterfaceError, OperationalError, connection
 DATABASE_DOWN = (OperationalError, InterfaceError)
 
 
+# When a thread of this process last found the database unreachable (wall clock): a step that
+# ran out of time meanwhile may have spent it waiting for the database (engine/outcomes.py).
+_database_unreachable_at = 0.0
+
+
+def note_database_unreachable() -> None:
+    global _database_unreachable_at
+    _database_unreachable_at = time.time()
+
+
+def database_unreachable_since(moment: float) -> bool:
+    """Whether a thread of this process found the database unreachable at or after `moment`
+    (a `time.time()`)."""
+    return _database_unreachable_at >= moment
+
+
 class OutageWatch:
     def __init__(self, logger: logging.Logger, where: str, service: str = "database"):
         self.log, self.where, self.service = logger, where, service
@@ -32,6 +48,7 @@ class OutageWatch:
                              type(exc).__name__, str(exc).strip().splitlines()[0][:300] if str(exc) else "",
                              extra={**extra, "outage": self.service})
         if self.service == "database":
+            note_database_unreachable()
             reset_connection()
 
     def succeeded(self, **extra) -> None:
@@ -59,6 +76,7 @@ def retry_while_down(attempt, *, seconds: float, logger: logging.Logger, what: s
         try:
             return attempt()
         except DATABASE_DOWN as exc:
+            note_database_unreachable()
             if on_failure:
                 on_failure()
             if time.monotonic() + delay > deadline:

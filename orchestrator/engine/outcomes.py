@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from django.db import transaction
 from django.utils import timezone
 
+from .. import outage
 from ..conf import harness
 from ..models import StepStatus
 from ..primitives.cancellation import Cancelled
@@ -208,6 +209,13 @@ def step_failed(state: RunState, step_id: str, exc: Exception, flight: InFlight 
     attempts = state.plan.attempts.get(step_id, 0) + 1
     cause = exc.error if isinstance(exc, EffectFailed) else exc
     fingerprint = failure_fingerprint(cause)
+    if isinstance(cause, StepTimedOut) and flight is not None and \
+            outage.database_unreachable_since(flight.started_at.timestamp()):
+        # Its time may have gone waiting for the database (a restart, a failover), not on its
+        # own work: never "the same way" as another attempt, so an outage does not turn a
+        # timeout that happens once into a step that needs a human.
+        fingerprint = hashlib.sha256(f"{step_id} timed out during a database outage: attempt {attempts}"
+                                     .encode()).hexdigest()[:32]
     repeated = state.plan.fingerprints.get(step_id) == fingerprint
     verdict = retry_or_give_up(step_id, cause, attempts=attempts, repeated=repeated,
                                winding_down=state.token.cancelled, max_attempts=harness.step_max_attempts)

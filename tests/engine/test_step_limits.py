@@ -2,6 +2,7 @@
 never lets more steps start than it allows; a step past its timeout is cancelled through its
 token and its failure policy applies; max_seconds and max_tokens cut a running step (the task
 pauses, the step runs again on resume)."""
+import logging
 import threading
 import time
 
@@ -71,6 +72,36 @@ def test_a_step_past_its_timeout_is_cancelled_and_its_failure_policy_applies():
     assert step.status == "failed" and step.attempts == 2  # a failed attempt, retried, then the same way again
     assert "StepTimedOut" in step.error
     assert took < 10
+
+
+def test_a_timeout_while_the_database_was_unreachable_is_not_the_same_failure_as_the_next(tmp_path):
+    """A step's first attempt runs out of time while its process finds the database unreachable
+    (the soak saw it: a PostgreSQL restart held a step's WAL write past its 3 s timeout, then a
+    genuine timeout made it "failed twice the same way" and the task needed a human). That
+    attempt is not compared with the next: the step gets all its attempts."""
+    from django.db import OperationalError
+
+    from orchestrator.outage import OutageWatch
+
+    starts_log = tmp_path / "starts"
+    task = services.task_create(type="test.timeboxed", params={"seconds": 3600, "timeout": 0.5, "on_failure": "fail",
+                                                              "starts_log": str(starts_log)})
+
+    def outage_during_the_first_attempt():
+        # What the executor's supervisor does when its heartbeat finds the database gone.
+        wait_for(lambda: starts_log.exists() and starts_log.read_text().count("step-1") == 1, timeout=15,
+                 message="the first attempt to start")
+        OutageWatch(logging.getLogger("test"), "supervisor of the test").failed(OperationalError("server closed"))
+
+    watcher = threading.Thread(target=outage_during_the_first_attempt, daemon=True)
+    watcher.start()
+    task, _ = run_bounded(task, within=20)
+    watcher.join(timeout=5)
+    assert task.status == "failed", task.status_reason
+    step = Step.objects.get(task=task, step_id="step-1")
+    # Without the outage the second timeout ends it "twice the same way" (the test above); here
+    # the second and the third are compared, so it gets its third attempt.
+    assert step.attempts == 3, task.error
 
 
 def test_the_type_timeout_and_the_installation_default_apply_when_the_step_sets_none(settings):
