@@ -259,13 +259,14 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
         except Exception:  # a type's own compat_fingerprint failing must not stop its runs
             log.exception("compatibility fingerprint not recorded", extra={"task_id": task.pk})
             fingerprint_changed = False
-        if task.status == TaskStatus.QUEUED:
-            states.transition(task, TaskStatus.RUNNING, reason="running on a worker",
-                              extra={"worker": f"{lease.host}:{task.worker_pid}"})
-        else:
-            task.save(update_fields=["worker_pid", "compat"] if fingerprint_changed else ["worker_pid"])
+        starting = task.status == TaskStatus.QUEUED
         rows = plan_rows(task)
         if rows:
+            if starting:
+                states.transition(task, TaskStatus.RUNNING, reason="running on a worker",
+                                  extra={"worker": f"{lease.host}:{task.worker_pid}"})
+            else:
+                task.save(update_fields=["worker_pid", "compat"] if fingerprint_changed else ["worker_pid"])
             plan = plan_from(rows)
             plan.version = task.checkpoint_version
             plan.stack = list(task.stack or [])
@@ -280,14 +281,21 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
         Step.objects.bulk_create([step_row(task, spec, i) for i, spec in enumerate(specs)], batch_size=2000)
         task.steps_total = len(specs)
         task.checkpoint_version += 1
-        seq = events.reserve_locked(task, saving=["steps_total", "checkpoint_version"])
+        planned = ("planned", {"steps": [s.id for s in specs][:200], "steps_total": len(specs)})
+        if starting:
+            # A task's first run: its start and its plan in one UPDATE of the row (and one INSERT of
+            # both events), where they were three UPDATEs.
+            states.transition(task, TaskStatus.RUNNING, reason="running on a worker",
+                              extra={"worker": f"{lease.host}:{task.worker_pid}"}, then_events=[planned])
+        else:
+            seq = events.reserve_locked(task, saving=["steps_total", "checkpoint_version", "worker_pid", "compat"])
+            create_event(task, seq, *planned)
         plan = PlanState()
         for spec in specs:
             plan.add(spec.id, spec.depends_on, on_failure=spec.on_failure, runs_after_skipped=spec.runs_after_skipped)
         plan.version = task.checkpoint_version
-        save_snapshot(task, plan.snapshot_state(task), "")
-        create_event(task, seq, "planned", {"steps": [s.id for s in specs][:200],
-                                                       "steps_total": len(specs)})
+        # The plan's first version: no row can exist for it yet (it is written in this transaction).
+        snapshots.write_first(task, plan.snapshot_state(task))
         return plan
 
 

@@ -65,6 +65,17 @@ def reserve_locked(task: Task, n: int = 1, *, saving=()) -> int:
     return task.event_seq
 
 
+def save_with_events(task: Task, appended: list[tuple[str, dict]]) -> list[TaskEvent]:
+    """Save the whole row of `task` (locked and read by the caller's transaction, then changed)
+    and append `appended` ((kind, payload) in order), their seqs reserved by that same UPDATE:
+    one statement fewer than a save then `append_event` (every status change). The copy's seq
+    is the row's: the whole-row save would write it back anyway."""
+    first = task.event_seq + 1
+    task.event_seq += len(appended)
+    task.save()
+    return create_events(task, first, appended)
+
+
 def reserve_sql() -> str:
     """The reservation of one seq as a SET item of the UPDATE of the task row in a commit
     written as SQL (engine/checkpoint.py); the statement returns event_seq, the seq reserved."""
@@ -76,7 +87,19 @@ NOTIFY_CHANNEL = "orchestrator_tasks"
 
 def create_event(task: Task, seq: int, kind: str, payload: dict) -> TaskEvent:
     """Insert an event whose seq the caller already reserved on the locked task row."""
-    event = TaskEvent.objects.create(task=task, seq=seq, kind=kind, payload=payload)
+    return create_events(task, seq, [(kind, payload)])[0]
+
+
+def create_events(task: Task, first_seq: int, appended: list[tuple[str, dict]]) -> list[TaskEvent]:
+    """Insert events (one statement) whose seqs, from `first_seq` on, the caller already
+    reserved on the locked task row; listeners are woken once, for the last."""
+    if len(appended) == 1:
+        (kind, payload), = appended
+        created = [TaskEvent.objects.create(task=task, seq=first_seq, kind=kind, payload=payload)]
+    else:
+        created = TaskEvent.objects.bulk_create([TaskEvent(task=task, seq=first_seq + i, kind=kind, payload=payload)
+                                                 for i, (kind, payload) in enumerate(appended)])
+    seq = first_seq + len(appended) - 1
     if connection.vendor == "postgresql":
         # Delivered by PostgreSQL at commit (never for a rolled-back transaction): wakes the
         # web processes' LISTEN at once, with or without Redis.
@@ -84,7 +107,7 @@ def create_event(task: Task, seq: int, kind: str, payload: dict) -> TaskEvent:
             cursor.execute("SELECT pg_notify(%s, %s)", [NOTIFY_CHANNEL, f"{task.pk}:{seq}:{task.status}:"
                                                                          f"{task.steps_done}:{task.steps_total}"])
     transaction.on_commit(lambda: publish_hint(task.pk, seq, task.status, task.steps_done, task.steps_total))
-    return event
+    return created
 
 
 def publish_hint(task_id: int, seq: int, status: str, steps_done: int, steps_total: int) -> None:

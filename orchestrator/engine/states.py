@@ -9,7 +9,7 @@ from django.utils import timezone
 from ..models import AuditEntry, Task, TaskStatus as S
 from ..notifications import notify_needs_human
 from . import approvals, inbox_counter
-from .events import append_event
+from .events import save_with_events
 from ..primitives.errors import HarnessError
 
 TERMINAL = frozenset({S.COMPLETED, S.FAILED, S.STOPPED, S.TERMINATED})
@@ -51,8 +51,9 @@ def can_transition(current: str, to: str) -> bool:
 
 
 def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | None = None,
-               action: str = "", extra: dict | None = None, **fields) -> Task:
-    """Move a locked `task` to status `to`, saving `fields` with it.
+               action: str = "", extra: dict | None = None, then_events: tuple | list = (), **fields) -> Task:
+    """Move a locked `task` to status `to`, saving `fields` with it; `then_events` ((kind,
+    payload) pairs) are appended after the status event, in the same statements.
 
     The caller holds `select_for_update()` on the row inside `transaction.atomic()`.
     """
@@ -76,8 +77,8 @@ def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | N
     task.paused_by_limit = ""  # set (in `fields`) only by the runner's pause for a limit
     for name, value in fields.items():
         setattr(task, name, value)
-    task.save()
-    append_event(task, "status", {"from": before, "to": to, "reason": task.status_reason, **(extra or {})})
+    save_with_events(task, [("status", {"from": before, "to": to, "reason": task.status_reason, **(extra or {})}),
+                            *then_events])
     if to in TERMINAL:
         # An approval still open can never run now: revoked, so nobody decides it for nothing.
         approvals.revoke(task_id=task.pk, reason=f"the task {to}" + (f": {reason}" if reason else ""), actor=actor)
