@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
@@ -87,8 +87,42 @@ def claim_for_delivery(task_id: int) -> Lease | None:
     handed to the broker again (worker.drive_task). One query, not a probe for recovered tasks
     and then the claim: the probe was a transaction of its own on every delivery, and almost
     always found nothing."""
+    if connection.vendor == "postgresql":
+        return _claim_first_in_one_statement(task_id)
     return _claim_first(Task.objects.filter(_recovering() | _claimable(task_id))
                         .order_by(F("recovering_since").asc(nulls_last=True), "pk"))
+
+
+def _claim_first_in_one_statement(task_id: int) -> Lease | None:
+    """`claim_for_delivery` on PostgreSQL: the same choice (`_recovering() | _claimable(task_id)`,
+    the same order) and the same writes as `_claim_first`, as one UPDATE over a locked
+    sub-select: one round trip on every broker delivery, where the ORM's read then save were two
+    (and building them cost more CPU than the database's work)."""
+    host, pid, owner = worker_identity()
+    now = timezone.now()
+    stale_before = now - timedelta(seconds=harness.stale_after_seconds)
+    table = Task._meta.db_table
+    statuses = list(CLAIMABLE)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {table} SET lease_epoch = {table}.lease_epoch + 1, lease_owner = %s, worker_host = %s, "
+            f"worker_pid = NULL, heartbeat_at = %s, claimed_at = %s "
+            f"FROM (SELECT id, lease_owner FROM {table} "
+            f"      WHERE (recovering_since IS NOT NULL AND status = ANY(%s) AND lease_owner = '') "
+            f"         OR (id = %s AND status = ANY(%s) "
+            f"             AND (lease_owner = '' OR heartbeat_at < %s OR heartbeat_at IS NULL)) "
+            f"      ORDER BY recovering_since ASC NULLS LAST, id LIMIT 1 FOR UPDATE SKIP LOCKED) AS chosen "
+            f"WHERE {table}.id = chosen.id "
+            f"RETURNING {table}.id, {table}.lease_epoch, {table}.checkpoint_version, chosen.lease_owner",
+            [owner, host, now, now, statuses, task_id, statuses, stale_before])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    claimed_id, epoch, version, previous = row
+    log.info("claimed task", extra={"task_id": claimed_id, "lease_epoch": epoch, "worker": owner,
+                                    "checkpoint_version": version,
+                                    "resume_strategy": "takeover" if previous else "fresh"})
+    return Lease(task_id=claimed_id, epoch=epoch, owner=owner, host=host, pid=pid)
 
 
 # A recovered task unclaimed this long is waiting for a slot, not for its message: an idle

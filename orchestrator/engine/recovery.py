@@ -267,6 +267,14 @@ def recover_task(task_id: int, *, dead_lease=None, cause: str = "", count_attemp
     return True
 
 
+def any_pending(task_id: int) -> bool:
+    """Whether the task has an effect whose outcome is not recorded yet (`pending`)."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT 1 FROM {WalEntry._meta.db_table} WHERE task_id = %s AND status = %s LIMIT 1",
+                       [task_id, WalStatus.PENDING])
+        return cursor.fetchone() is not None
+
+
 def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict, ended: bool = False) -> list:
     """Decide what to do with each side effect the dead (or stopped) worker left `pending`.
 
@@ -281,6 +289,8 @@ def settle_pending_wal(task: Task, *, dead_worker: str, cause: str, extra: dict,
     Returns the entries put in front of a reviewer. Runs in the caller's transaction.
     """
     opened = []
+    if not any_pending(task.pk):
+        return opened  # the common case at every task's end, answered by one plain statement
     for entry in WalEntry.objects.filter(task=task, status=WalStatus.PENDING).order_by("id"):
         record = IdempotencyRecord.objects.filter(key=entry.idempotency_key).first()
         # Callers outside recovery (finishing.py, the watchdog) pass only what they hold.
