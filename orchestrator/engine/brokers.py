@@ -23,6 +23,7 @@ from django.db.models import Min
 from django.utils import timezone
 from django_q.brokers.orm import ORM
 from django_q.conf import Conf
+from django_q.models import OrmQ
 
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,19 @@ class OrderedORM(ORM):
     _listener_pid: int | None = None
 
     def enqueue(self, package) -> int:
-        with transaction.atomic(using=Conf.ORM or DEFAULT_DB_ALIAS):  # the message and its announce: one commit
+        alias = Conf.ORM or DEFAULT_DB_ALIAS
+        database = connections[alias]
+        if database.vendor == "postgresql" and transaction.get_autocommit(using=alias):
+            # The message and its announce as one statement, committed on its own: one round trip
+            # where BEGIN, INSERT, NOTIFY, COMMIT were four (every task created, every slice).
+            if database.errors_occurred:  # what django-q2's get_connection checks, without its health ping
+                database.close_if_unusable_or_obsolete()
+            with database.cursor() as cursor:
+                cursor.execute(f'WITH message AS (INSERT INTO {OrmQ._meta.db_table} ("key", payload, lock) '
+                               f"VALUES (%s, %s, %s) RETURNING id) SELECT id, pg_notify(%s, '') FROM message",
+                               [self.list_key or Conf.CLUSTER_NAME, package, timezone.now(), QUEUE_CHANNEL])
+                return cursor.fetchone()[0]
+        with transaction.atomic(using=alias):  # the message and its announce: one commit
             pk = super().enqueue(package)
             self.announce()
         return pk

@@ -77,6 +77,13 @@ def save_with_events(task: Task, appended: list[tuple[str, dict]]) -> None:
     create_events(task, first, appended)
 
 
+def reserve_for_new(task: Task) -> int:
+    """The first seq of a task about to be inserted (the INSERT saves it): its first event
+    needs no UPDATE of the row (every task created)."""
+    task.event_seq = 1
+    return task.event_seq
+
+
 def reserve_sql() -> str:
     """The reservation of one seq as a SET item of the UPDATE of the task row in a commit
     written as SQL (engine/checkpoint.py); the statement returns event_seq, the seq reserved."""

@@ -32,6 +32,13 @@ def enqueue(task_id: int) -> datetime:
     return now
 
 
+def enqueue_new(task: Task) -> None:
+    """`enqueue` for a task about to be inserted in this transaction: its `enqueued_at` is set
+    on the instance (the INSERT saves it), its message goes once the transaction commits."""
+    task.enqueued_at = timezone.now()
+    transaction.on_commit(lambda: send(task.pk))
+
+
 def send_again(task_id: int) -> bool:
     """A worker used this task's message to run a recovering task: send it again, if it is
     still waiting for a worker (not claimed meanwhile through a duplicate message, not

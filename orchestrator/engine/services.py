@@ -13,7 +13,7 @@ from ..models import InboundEvent, Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
 from . import actions, approvals, inbox, recovery, scheduler, states, verbs
 from .audit import audit
-from .events import append_event
+from . import events
 from .checkpoint import plan_from, plan_rows, skip_steps, snapshot_now
 from . import compat
 from ..primitives.errors import HarnessError
@@ -101,15 +101,18 @@ def task_create(*, type: str, params: dict, limits: dict | None = None, title: s
     granted = authorize_params(type, clean_params, actor=actor)
     with transaction.atomic():
         # The status is the model's default (queued); it changes only in states.transition.
-        task = Task.objects.create(type=type, title=title, params=clean_params, limits=clean_limits,
-                                   created_by=actor if getattr(actor, "is_authenticated", False) else None)
-        append_event(task, "created", {"type": type, "params": clean_params})
+        task = Task(type=type, title=title, params=clean_params, limits=clean_limits,
+                    created_by=actor if getattr(actor, "is_authenticated", False) else None)
+        # Its first seq and its enqueue time go in with the INSERT (no UPDATE of the new row).
+        seq = events.reserve_for_new(task)
+        scheduler.enqueue_new(task)
+        task.save(force_insert=True)
+        events.create_event(task, seq, "created", {"type": type, "params": clean_params})
         audit(action="task.create", actor=actor, ip=ip, task=task,
               after={"type": type, "params": clean_params, "limits": clean_limits})
         if granted:
             audit(action="task.grant", actor=actor, ip=ip, task=task, reason="granted beyond the safe defaults",
                   after=granted)
-        task.enqueued_at = scheduler.enqueue(task.pk)
     log.info("task created", extra={"task_id": task.pk})
     return task
 
