@@ -85,7 +85,11 @@ class Watchdog:
         self.shutting_down = True
 
     def watch_loop(self) -> str:
-        next_poll = 0.0
+        # The first poll one interval in: the claim has just written the heartbeat (a request made
+        # before it ended the task at once, no worker holding it), and a short run ends before
+        # then — one query and one heartbeat fewer per run; a request made since is seen at most
+        # one interval later, as at any poll.
+        next_poll = time.monotonic() + harness.executor_control_poll_seconds
         while True:
             if self.shutting_down:
                 return self.hand_back()
