@@ -56,17 +56,23 @@ def materialize_range(task_id: int, first: int, last: int) -> dict[int, dict]:
             return {}
     rows = (Snapshot.objects.filter(task_id=task_id, version__gte=base, version__lte=last)
             .order_by("version").values_list("version", "full", "state"))
-    states, state = {}, None
+    return {version: state for version, state in forward(rows) if version >= first}
+
+
+def forward(rows):
+    """(version, full state) for each of `rows` ((version, full, state), by version), a delta
+    applied to the state before it; a delta with no full row before it is skipped (nothing to
+    build it on). Rows are freshly decoded: a full one is used as it is; the running state is
+    copied (its step map) before a delta changes it, so earlier versions keep theirs."""
+    state = None
     for version, full, row_state in rows:
-        # Rows are freshly decoded: a full one can be used as it is; the running state is
-        # copied (its step map) before a delta changes it, so earlier versions keep theirs.
-        if full or state is None:
+        if full:
             state = row_state
+        elif state is None:
+            continue
         else:
             state = apply_delta(_copy(state), row_state)
-        if version >= first:
-            states[version] = state
-    return states
+        yield version, state
 
 
 def _copy(state: dict) -> dict:
@@ -143,18 +149,10 @@ def compact(task: Task, current_state: dict) -> None:
                        f'AND version >= COALESCE((SELECT MAX(version) FROM {table} WHERE task_id = %s AND "full" '
                        f'AND version <= %s), %s) ORDER BY version', [task.pk, version, task.pk, first, first])
         rows = cursor.fetchall()
-        states, existing, state = {}, {}, None
-        for pk, row_version, full, row_state in rows:
-            row_state = json.loads(row_state) if isinstance(row_state, (str, bytes)) else row_state
-            if full:
-                state = row_state
-            elif state is None:
-                continue  # a delta older than every kept full row: nothing to build it on
-            else:
-                state = apply_delta(_copy(state), row_state)
-            if row_version >= first:
-                states[row_version] = state
-                existing[row_version] = (pk, bool(full))
+        existing = {row_version: (pk, bool(full)) for pk, row_version, full, _ in rows if row_version >= first}
+        decoded = ((row_version, full, json.loads(state) if isinstance(state, (str, bytes)) else state)
+                   for _, row_version, full, state in rows)
+        states = {v: state for v, state in forward(decoded) if v >= first}
         states[version] = current_state
         # The deltas made full: one statement (psycopg sends them as one pipeline).
         made_full = [(json.dumps(state), True, existing[v][0]) for v, state in states.items()
