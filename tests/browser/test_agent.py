@@ -38,6 +38,8 @@ def test_operator_watches_an_agent_stream_pauses_it_sends_a_message_and_resumes(
         page.get_by_test_id("btn-send-event").click()
         expect(page.get_by_test_id("message")).to_contain_text("(user.message, P1) sent")
         page.get_by_test_id("btn-resume").click()
+        # The resume's own answer first: a refusal shows its reason here rather than a 60 s wait.
+        expect(page.get_by_test_id("message")).to_contain_text(f"Task #{task.pk} resumed.", timeout=30_000)
         expect(page.get_by_test_id("task-header").get_by_test_id("task-status")).to_have_text("completed",
                                                                                               timeout=LIVE)
         conversation = page.get_by_test_id("conversation")
