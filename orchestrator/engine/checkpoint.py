@@ -24,7 +24,7 @@ from .. import telemetry
 from ..conf import harness
 from ..outage import retry_while_down
 from ..models import InboundEvent, InboundState, Step, StepResult, StepStatus, Task, TaskStatus
-from . import commit_statement, compat, events, inbox_counter, snapshots, states, wal
+from . import commit_statement, compat, events, inbox_counter, snapshots, states, step_rows, wal
 from .commit_statement import StepCommit
 from .events import create_event, cross_process_layer, publish_hint
 from ..primitives.faults import armed as armed_faults, fault_point
@@ -33,6 +33,7 @@ from .lease import Lease, LeaseLost, lock_fenced
 from ..primitives.errors import HarnessError
 # The plan in memory has a module of its own; its names stay importable from here.
 from .plan_state import InvalidPlanGrowth, PlanState, plan_from  # noqa: F401
+from .step_rows import plan_rows, step_row
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +261,8 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
             log.exception("compatibility fingerprint not recorded", extra={"task_id": task.pk})
             fingerprint_changed = False
         starting = task.status == TaskStatus.QUEUED
-        rows = plan_rows(task)
+        # Every write of Step rows moves the checkpoint version: at version 0 there are none to read.
+        rows = plan_rows(task) if task.checkpoint_version else []
         if rows:
             if starting:
                 states.transition(task, TaskStatus.RUNNING, reason="running on a worker",
@@ -278,7 +280,7 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
             if missing:
                 raise ValueError(f"step {spec.id!r} depends on {missing}, which come later or do not exist")
             known.add(spec.id)
-        Step.objects.bulk_create([step_row(task, spec, i) for i, spec in enumerate(specs)], batch_size=2000)
+        step_rows.insert(task, specs)
         task.steps_total = len(specs)
         task.checkpoint_version += 1
         planned = ("planned", {"steps": [s.id for s in specs][:200], "steps_total": len(specs)})
@@ -297,22 +299,6 @@ def ensure_plan(*, lease: Lease, task_type, params) -> PlanState:
         # The plan's first version: no row can exist for it yet (it is written in this transaction).
         snapshots.write_first(task, plan.snapshot_state(task))
         return plan
-
-
-def step_row(task: Task, spec, position: int, added_by: str = "", generation: int = 0) -> Step:
-    """A new Step row from a StepSpec."""
-    return Step(task=task, step_id=spec.id, position=position, title=spec.title or spec.id,
-                depends_on=list(spec.depends_on), declared_reads=list(spec.reads), on_failure=spec.on_failure,
-                runs_after_skipped=spec.runs_after_skipped, added_by=added_by, generation=generation,
-                before=list(spec.before))
-
-
-PLAN_FIELDS = ("step_id", "depends_on", "status", "attempts", "failure_fingerprint", "generation", "on_failure",
-               "runs_after_skipped", "added_by", "position")
-
-
-def plan_rows(task: Task) -> list[tuple]:
-    return list(Step.objects.filter(task=task).order_by("position").values_list(*PLAN_FIELDS))
 
 
 def snapshot_now(task: Task, step_id: str = "") -> None:

@@ -13,6 +13,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from ..models import Task, TaskEvent
+from . import row_changes
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +67,20 @@ def reserve_locked(task: Task, n: int = 1, *, saving=()) -> int:
     return task.event_seq
 
 
-def save_with_events(task: Task, appended: list[tuple[str, dict]]) -> None:
-    """Save the whole row of `task` (locked and read by the caller's transaction, then changed)
-    and append `appended` ((kind, payload) in order), their seqs reserved by that same UPDATE:
-    one statement fewer than a save then `append_event` (every status change). The copy's seq
-    is the row's: the whole-row save would write it back anyway."""
+def save_with_events(task: Task, appended: list[tuple[str, dict]], *, always=()) -> None:
+    """Save `task` (locked and read by the caller's transaction, then changed) and append
+    `appended` ((kind, payload) in order), their seqs reserved by that same UPDATE: one
+    statement fewer than a save then `append_event` (every status change). The copy's seq is
+    the row's (the row is locked). Saved: the `always` columns and those the copy changed
+    since lock_task read it (row_changes); the whole row when it was read otherwise."""
     first = task.event_seq + 1
     task.event_seq += len(appended)
-    task.save()
+    changed = row_changes.changed(task)
+    if changed is None:
+        task.save()
+    else:
+        task.save(update_fields={*always, *changed, "event_seq", "updated_at"})
+        row_changes.remember(task)  # a second change in the same transaction compares with this one
     create_events(task, first, appended)
 
 

@@ -26,7 +26,8 @@ from ..tasktypes.base import StepSpec
 from ..tools.base import ToolError
 from ..tools.catalog import get_tool
 from . import actions, approvals, compat, inbox, scheduler, snapshots, states
-from .checkpoint import snapshot_now, step_row
+from .checkpoint import snapshot_now
+from .step_rows import step_row
 from .events import append_event
 from .inbox import INBOX_ADDER
 from .audit import audit

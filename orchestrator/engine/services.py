@@ -14,7 +14,8 @@ from ..tasktypes import get_type
 from . import actions, approvals, inbox, recovery, scheduler, states, verbs
 from .audit import audit
 from . import events
-from .checkpoint import plan_from, plan_rows, skip_steps, snapshot_now
+from .checkpoint import plan_from, skip_steps, snapshot_now
+from .step_rows import plan_rows
 from . import compat
 from ..primitives.errors import HarnessError
 

@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from ..models import AuditEntry, Task, TaskStatus as S
 from ..notifications import notify_needs_human
-from . import approvals, inbox_counter
+from . import approvals, inbox_counter, row_changes
 from .events import save_with_events
 from ..primitives.errors import HarnessError
 
@@ -77,8 +77,10 @@ def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | N
     task.paused_by_limit = ""  # set (in `fields`) only by the runner's pause for a limit
     for name, value in fields.items():
         setattr(task, name, value)
+    # The columns set here are written whatever they held; the caller's other changes to the
+    # row are found by comparing it with the row as lock_task read it (row_changes).
     save_with_events(task, [("status", {"from": before, "to": to, "reason": task.status_reason, **(extra or {})}),
-                            *then_events])
+                            *then_events], always=TRANSITION_COLUMNS + tuple(fields))
     if to in TERMINAL:
         # An approval still open can never run now: revoked, so nobody decides it for nothing.
         approvals.revoke(task_id=task.pk, reason=f"the task {to}" + (f": {reason}" if reason else ""), actor=actor)
@@ -96,6 +98,10 @@ def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | N
     return task
 
 
+TRANSITION_COLUMNS = ("status", "status_reason", "started_at", "finished_at", "lease_owner", "control",
+                      "recovering_since", "paused_by_limit")
+
+
 def lock_task(task_id: int) -> Task:
     """The task row, locked for the rest of the transaction (a no-op lock on SQLite, whose
     IMMEDIATE transactions already serialise writers)."""
@@ -104,5 +110,6 @@ def lock_task(task_id: int) -> Task:
     # Written as SQL: twice in every run, and building the ORM's query cost ~0.4 ms of CPU of ~1.
     lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
     for task in Task.objects.raw(f"SELECT * FROM {Task._meta.db_table} WHERE id = %s{lock}", [task_id]):
+        row_changes.remember(task)  # a status change then saves only the columns that changed
         return task
     raise Task.DoesNotExist(f"Task matching query does not exist (id {task_id}).")
