@@ -138,7 +138,10 @@ class StepStatus(models.TextChoices):
 
 
 class Step(models.Model):
-    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="steps")
+    # db_index=False here and on the other per-task tables: each has a composite index that
+    # starts with task_id (see Meta), which serves lookups by task; a one-column index beside
+    # it would only cost a write per row (a step commit writes four such rows).
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="steps", db_index=False)
     step_id = models.CharField(max_length=200)
     position = models.PositiveIntegerField()
     title = models.CharField(max_length=300, blank=True)
@@ -197,7 +200,7 @@ class WalStatus(models.TextChoices):
 class WalEntry(models.Model):
     """A side effect's write-ahead-log record: intent before, outcome after."""
 
-    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="wal_entries")
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="wal_entries", db_index=False)
     step_id = models.CharField(max_length=200)
     call_index = models.PositiveIntegerField()
     tool = models.CharField(max_length=100)
@@ -231,7 +234,7 @@ class WalEntry(models.Model):
 class StepResult(models.Model):
     """A step result too large to keep inline in its Step row (see Step.result_stored_apart)."""
 
-    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="large_results")
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="large_results", db_index=False)
     step_id = models.CharField(max_length=200)
     data = models.JSONField(null=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -251,7 +254,7 @@ class Snapshot(models.Model):
     changed (engine/snapshots.py reads a version as the newest full row at or below it
     plus the deltas after it), so a commit's cost does not grow with the plan."""
 
-    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="snapshots")
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="snapshots", db_index=False)
     version = models.PositiveIntegerField()
     step_id = models.CharField(max_length=200, blank=True)
     full = models.BooleanField(default=True)
@@ -269,7 +272,7 @@ class Snapshot(models.Model):
 class TaskEvent(models.Model):
     """The append-only progress log; `seq` rises by one per task with no gaps."""
 
-    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="events")
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="events", db_index=False)
     seq = models.PositiveBigIntegerField()
     kind = models.CharField(max_length=50)
     payload = models.JSONField(default=dict)
@@ -301,7 +304,7 @@ class InboundEvent(models.Model):
     which is what the task tells the world. Senders only enqueue; the runner consumes at
     resume points, in the same transaction as the checkpoint it affects."""
 
-    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="inbox")
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="inbox", db_index=False)
     seq = models.PositiveBigIntegerField()  # per task, from Task.inbox_seq
     type = models.CharField(max_length=100)
     priority = models.PositiveSmallIntegerField()  # 0 (interrupt) .. 4 (information)
@@ -447,7 +450,7 @@ class AgentMessage(models.Model):
         # place; the rows it summarises are kept (audit, export, rollback) but no longer sent.
         SUMMARY = "summary"
 
-    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="agent_messages")
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="agent_messages", db_index=False)
     key = models.CharField(max_length=200)
     turn = models.PositiveIntegerField()  # the turn it belongs to (user messages: the turn they precede)
     order = models.PositiveIntegerField(default=0)  # within its turn: assistant 0, tool results 1.., user notes after
@@ -504,7 +507,7 @@ class ModelCallAttempt(models.Model):
         LOST = "lost", "lost with its process"
         REATTACHED = "reattached", "completed, retrieved after its process died"
 
-    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="model_attempts")
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="model_attempts", db_index=False)
     step_id = models.CharField(max_length=200)
     generation = models.PositiveIntegerField(default=0)
     purpose = models.CharField(max_length=20, default="turn")  # turn | summary

@@ -38,11 +38,15 @@ TABLES = {name: model._meta.db_table for name, model in (
     ("task", Task), ("step", Step), ("snapshot", Snapshot), ("event", TaskEvent), ("wal", WalEntry),
     ("idempotency", IdempotencyRecord))}
 
+# The task row's update leaves heartbeat_at to the supervisor's heartbeat (engine/supervisor.py):
+# heartbeat_at is indexed (the sweeper's stale scan), so writing it here made every step commit a
+# new version of the row in each of the task's indexes; without it PostgreSQL updates the row in
+# place (HOT; tests/engine/test_step_commit_writes.py).
 _POSTGRESQL_COMMIT = """
 WITH t AS (
     UPDATE {task} SET checkpoint_version = checkpoint_version + 1, {reserve_seq},
         steps_done = %(steps_done)s, steps_total = steps_total + %(added)s, tokens_used = tokens_used + %(tokens)s,
-        active_seconds = active_seconds + %(active)s, heartbeat_at = %(now)s, updated_at = %(now)s
+        active_seconds = active_seconds + %(active)s, updated_at = %(now)s
     WHERE id = %(task_id)s AND lease_epoch = %(epoch)s AND lease_owner = %(owner)s
         AND checkpoint_version = %(expected_version)s
     RETURNING checkpoint_version, event_seq, status, steps_total, tokens_used, active_seconds
@@ -111,10 +115,10 @@ def sqlite(lease, plan, commit, encoded_result, now) -> dict | None:
         cursor.execute(
             f"UPDATE {TABLES['task']} SET checkpoint_version = checkpoint_version + 1, {events.reserve_sql()}, "
             f"steps_done = %s, steps_total = steps_total + %s, tokens_used = tokens_used + %s, "
-            f"active_seconds = active_seconds + %s, heartbeat_at = %s, updated_at = %s "
+            f"active_seconds = active_seconds + %s, updated_at = %s "
             f"WHERE id = %s AND lease_epoch = %s AND lease_owner = %s AND checkpoint_version = %s "
             f"RETURNING {', '.join(ROW_FIELDS)}",
-            [p["steps_done"], p["added"], p["tokens"], p["active"], now, now, p["task_id"], p["epoch"], p["owner"],
+            [p["steps_done"], p["added"], p["tokens"], p["active"], now, p["task_id"], p["epoch"], p["owner"],
              p["expected_version"]])
         found = cursor.fetchone()
         if found is None:

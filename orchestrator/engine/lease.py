@@ -201,10 +201,17 @@ def lock_fenced(lease: Lease) -> Task:
 def bump_fenced(lease: Lease, **updates) -> None:
     """A fenced UPDATE in the current transaction; raises LeaseLost when the epoch is stale.
 
-    On PostgreSQL the UPDATE also takes the row lock, so what the transaction does next
-    is serialised with the sweeper and other claimers.
+    On PostgreSQL the UPDATE (with nothing to update, a SELECT ... FOR UPDATE) takes the row
+    lock, so what the transaction does next is serialised with the sweeper and other claimers.
+    A claimer that waited for the lock then sees the heartbeat the supervisor last wrote.
     """
-    # With nothing else to write, refreshing the heartbeat is the fenced write.
+    if not updates and connection.vendor == "postgresql":
+        # With nothing to write, lock the row without a new version of it: heartbeat_at is
+        # indexed, so writing it would add an entry to each of the task's indexes.
+        if not lease.fenced().order_by().select_for_update().values_list("pk", flat=True):
+            raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale")
+        return
+    # On SQLite a write takes the database's write lock: refreshing the heartbeat is the fenced write.
     if lease.fenced().update(**(updates or {"heartbeat_at": timezone.now()})) != 1:
         raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale")
 

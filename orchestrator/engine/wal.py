@@ -248,8 +248,7 @@ def _in_one_transaction(*, lease, step_id, call_index, tool, args, key, token, c
 
 _RECORD_DONE_POSTGRESQL = """
 WITH t AS (
-    UPDATE {task} SET heartbeat_at = %(now)s
-    WHERE id = %(task_id)s AND lease_epoch = %(epoch)s AND lease_owner = %(owner)s RETURNING id
+    SELECT id FROM {task} WHERE id = %(task_id)s AND lease_epoch = %(epoch)s AND lease_owner = %(owner)s FOR UPDATE
 ), w AS (
     INSERT INTO {wal} (task_id, step_id, call_index, tool, args, idempotency_key, idempotent, status, result,
                        error, lease_epoch, worker, created_at, completed_at, settled_by)
