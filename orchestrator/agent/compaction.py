@@ -240,8 +240,6 @@ def _ask_for_summary(ctx, key: str, current: list[AgentMessage], *, up_to_turn: 
             attempt.delete()
         llm_ledger.record_call_failure(ctx, exc, purpose="summary", profile=profile)
         raise
-    finally:
-        client.close()
     from ..primitives.faults import fault_point
 
     fault_point("compaction_answered", ctx.step_id)

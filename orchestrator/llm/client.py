@@ -38,10 +38,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import socket
 import ssl
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
@@ -308,6 +310,11 @@ def _tls_context() -> ssl.SSLContext:
         return _tls
 
 
+_SHARED_LIMIT = 32
+_shared_lock = threading.Lock()
+_shared: OrderedDict[tuple, "LLMClient"] = OrderedDict()
+
+
 class LLMClient:
     """A configured connection to one OpenAI-compatible server. Thread-safe: one instance
     may serve many concurrent calls (the underlying HTTP client pools connections)."""
@@ -338,6 +345,28 @@ class LLMClient:
 
     def close(self) -> None:
         self._openai.close()
+
+    @classmethod
+    def shared(cls, *, base_url: str, api_key: str, model: str, connect_timeout: float, read_timeout: float,
+               retry: RetryPolicy, include_usage: bool = True) -> "LLMClient":
+        """The process's client for this server and these settings, made once and kept (not to
+        be closed by the caller): a client per model call opened a new connection per agent turn
+        (bench/agent.py: opening the stream was ~40 % of a turn's time in the model call). Keyed
+        by the process id too: an executor forked from a worker must not use its parent's
+        sockets. At most _SHARED_LIMIT are kept; one dropped is not closed (a call may still be
+        using it): its connections close when it is collected."""
+        key = (os.getpid(), base_url.rstrip("/"), api_key, model, connect_timeout, read_timeout, retry, include_usage)
+        with _shared_lock:
+            client = _shared.get(key)
+            if client is None:
+                client = _shared[key] = cls(base_url=base_url, api_key=api_key, model=model,
+                                            connect_timeout=connect_timeout, read_timeout=read_timeout, retry=retry,
+                                            include_usage=include_usage)
+                while len(_shared) > _SHARED_LIMIT:
+                    _shared.popitem(last=False)
+            else:
+                _shared.move_to_end(key)
+            return client
 
     def _timeout(self, read_timeout: float) -> openai.Timeout:
         # `read` bounds the silence between two chunks, not the whole call: a long answer
@@ -740,22 +769,14 @@ def _root_cause(exc: BaseException) -> str:
 
 # --- the configured default ------------------------------------------------------------
 
-_default_client: tuple[tuple, LLMClient] | None = None
-_default_lock = threading.Lock()
-
-
 def client_from_settings() -> LLMClient:
-    """The client for LLM_BASE_URL / LLM_API_KEY / LLM_MODEL (made again when they change,
-    e.g. under override_settings)."""
-    global _default_client
+    """The process's client for LLM_BASE_URL / LLM_API_KEY / LLM_MODEL (another one when they
+    change, e.g. under override_settings)."""
     from django.conf import settings
 
-    key = (settings.LLM_BASE_URL, settings.LLM_API_KEY, settings.LLM_MODEL, settings.LLM_CONNECT_TIMEOUT,
-           settings.LLM_READ_TIMEOUT, settings.LLM_MAX_ATTEMPTS)
-    with _default_lock:
-        if _default_client is None or _default_client[0] != key:
-            _default_client = (key, LLMClient.from_settings())
-        return _default_client[1]
+    return LLMClient.shared(base_url=settings.LLM_BASE_URL, api_key=settings.LLM_API_KEY, model=settings.LLM_MODEL,
+                            connect_timeout=settings.LLM_CONNECT_TIMEOUT, read_timeout=settings.LLM_READ_TIMEOUT,
+                            retry=RetryPolicy(max_attempts=max(1, settings.LLM_MAX_ATTEMPTS)))
 
 
 def chat(messages: Sequence[dict], **options) -> Completion:

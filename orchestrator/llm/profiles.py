@@ -136,10 +136,11 @@ class Profile:
         return cost_of(self, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
     def client(self) -> LLMClient:
-        """A client for this profile's server, with the installation's timeouts and retries."""
+        """The process's client for this profile's server, with the installation's timeouts and
+        retries (shared and kept: not to be closed by the caller)."""
         from django.conf import settings
 
-        return LLMClient(base_url=self.base_url, api_key=self.api_key, model=self.model,
+        return LLMClient.shared(base_url=self.base_url, api_key=self.api_key, model=self.model,
                          connect_timeout=settings.LLM_CONNECT_TIMEOUT, read_timeout=settings.LLM_READ_TIMEOUT,
                          retry=RetryPolicy(max_attempts=max(1, settings.LLM_MAX_ATTEMPTS)),
                          include_usage=self.supports_stream_options)

@@ -469,8 +469,6 @@ class PlanExecuteAgent(TaskType):
                 attempt.delete()
             llm_ledger.record_call_failure(ctx, exc, purpose="turn", profile=profile)
             raise
-        finally:
-            client.close()
         stream.flush()
         if completion.finish_reason == "length":
             # The answer reached its cap before the model finished: kept as an interrupted answer
