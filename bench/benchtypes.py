@@ -9,6 +9,7 @@ class ChainParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     steps: int = Field(200, ge=1)
     effect: bool = False
+    at_commit: bool = Field(False, description="with `effect`: the upsert written with the step's checkpoint")
     sleep_ms: int = Field(0, ge=0, description="work time per step (the live-latency bench spaces commits)")
 
 
@@ -29,7 +30,7 @@ class Chain(TaskType):
             ctx.sleep(ctx.params.sleep_ms / 1000)
         if ctx.params.effect:
             ctx.effect("db.upsert", {"table": "demo_destination", "columns": ["id", "amount"],
-                                     "rows": [[10_000_000 + index, "1.0000"]]})
+                                     "rows": [[10_000_000 + index, "1.0000"]]}, at_commit=ctx.params.at_commit)
         return {"i": index, "sum": index * (index + 1) // 2}
 
 

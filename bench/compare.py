@@ -176,22 +176,26 @@ def close_django_connections():
 
 # --- Ours --------------------------------------------------------------------------------
 
-def ours(bench: Bench, steps: int, effect: bool, label: str | None = None) -> Figures:
+def ours(bench: Bench, steps: int, effect: bool, label: str | None = None, at_commit: bool = False) -> Figures:
     from bench.measure import run_task
 
+    default = ("ours, side-effect chain" + (" at commit" if at_commit else "")) if effect else "ours, pure chain"
     db = bench.pg.database
-    return bench.measure(label or ("ours, side-effect chain" if effect else "ours, pure chain"), steps, [db],
+    return bench.measure(label or default, steps, [db],
                          [(db, {"tables": OUR_TABLES + OUR_OTHER_TABLES})], OUR_TABLES,
-                         lambda: run_task("bench.chain", {"steps": steps, "effect": effect}),
+                         lambda: run_task("bench.chain", {"steps": steps, "effect": effect, "at_commit": at_commit}),
                          close=close_django_connections, django=True)
 
 
 def section_ours(bench: Bench, steps: int) -> list[Figures]:
+    """A pure step; a step with one db.upsert performed in place (its own transaction, then the
+    checkpoint), and the same written with the step's checkpoint (ctx.effect(..., at_commit=True))."""
     from bench.measure import run_task
 
     run_task("bench.chain", {"steps": 20})  # warm-up
     run_task("bench.chain", {"steps": 20, "effect": True})
-    return [ours(bench, steps, False), ours(bench, steps, True)]
+    run_task("bench.chain", {"steps": 20, "effect": True, "at_commit": True})
+    return [ours(bench, steps, False), ours(bench, steps, True), ours(bench, steps, True, at_commit=True)]
 
 
 # --- DBOS --------------------------------------------------------------------------------

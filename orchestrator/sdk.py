@@ -78,9 +78,11 @@ class StepContext(Protocol):
     skipped: dict[str, str]  # dependencies that were skipped, with why (their deps entry is None)
     token: CancellationToken  # cancelled by Stop, a Pause's cut, a preempt, the step's timeout
 
-    def effect(self, tool: str, args: dict) -> Any:
+    def effect(self, tool: str, args: dict, *, at_commit: bool = False) -> Any:
         """Perform a side effect through the WAL (intent, effect with the call's idempotency key,
-        `done` with the step's checkpoint); returns the tool's result, recorded and replayed."""
+        `done` with the step's checkpoint); returns the tool's result, recorded and replayed.
+        `at_commit` (db.upsert): written by the step's checkpoint, in its transaction, instead of
+        now; the step cannot read it before then (docs/recovery.md, "Effects at commit")."""
 
     def wait_for(self, event_type: str, *, timeout: float | None = None, match: dict | None = None) -> dict:
         """The payload of the next `event_type` event sent into the task (declare it in the type's

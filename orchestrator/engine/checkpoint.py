@@ -17,14 +17,15 @@ import os
 from datetime import datetime
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
 from .. import telemetry
 from ..conf import harness
 from ..outage import retry_while_down
 from ..models import InboundEvent, InboundState, Step, StepResult, StepStatus, Task, TaskStatus
-from . import commit_statement, compat, events, inbox_counter, snapshots, states, step_rows, wal
+from . import at_commit as effects_at_commit, commit_statement, compat, events, inbox_counter, snapshots, states, \
+    step_rows, wal
 from .commit_statement import StepCommit
 from .events import create_event, cross_process_layer, publish_hint
 from ..primitives.faults import armed as armed_faults, fault_point
@@ -54,21 +55,27 @@ def save_snapshot(task: Task, state: dict, step_id: str = "") -> None:
 def commit_step(*, lease: Lease, plan: PlanState, step_id: str, result: Any, reads: list[str],
                 effects: list[wal.CompletedEffect], started_at: datetime, tokens_used: int = 0,
                 active_seconds: float = 0.0, added: list | None = None, consumed: dict | None = None,
-                ends_wait: bool = False) -> int:
-    """Commit a finished step; returns the new checkpoint version. Raises LeaseLost.
+                ends_wait: bool = False, at_commit: list | None = None) -> int:
+    """Commit a finished step; returns the new checkpoint version. Raises LeaseLost, and
+    FailedAtCommit when the database refused an effect written with it (`at_commit`).
 
     `plan` changes only once the commit is durable (a rolled-back commit leaves it as it was)."""
     fault_point("before_checkpoint", step_id)
     commit = StepCommit(step_id, result, reads, effects, started_at, tokens_used, active_seconds, list(added or ()),
-                        dict(consumed or {}), ends_wait)
+                        dict(consumed or {}), ends_wait, list(at_commit or ()))
     if commit.added:
         plan.validate_growth(step_id, commit.added)
     # The step's work (and its effects) happened: keep it until the database is back rather
     # than die and make a recovery redo it. The commit is fenced: if a worker took the task
     # over meanwhile, it fails with LeaseLost.
-    version = retry_while_down(lambda: _commit_step(lease, plan, commit),
-                               seconds=harness.database_retry_seconds, logger=log, what="checkpoint",
-                               extra={"task_id": lease.task_id, "step_id": step_id})
+    try:
+        version = retry_while_down(lambda: _commit_step(lease, plan, commit),
+                                   seconds=harness.database_retry_seconds, logger=log, what="checkpoint",
+                                   extra={"task_id": lease.task_id, "step_id": step_id})
+    except DatabaseError as exc:
+        if not commit.at_commit:
+            raise
+        raise effects_at_commit.refused(exc, commit.at_commit) from exc
     plan.version = version
     plan.attempts[step_id] = plan.attempts.get(step_id, 0) + 1
     join_plan(plan, additions(plan, commit.added, step_id))
@@ -89,13 +96,17 @@ def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
     if simple:
         row = commit_statement.postgresql(lease, plan, commit, encoded, now, delta=True)
         if row is None:
+            if commit.at_commit and effects_at_commit.recorded_earlier(commit.at_commit):
+                raise effects_at_commit.RecordedEarlier(f"step {commit.step_id}: an effect's key was recorded earlier")
             return _unfenced(lease, plan, commit)
         _after_commit(lease.task_id, row, plan.done_count() + 1)
         return row["checkpoint_version"]
     with transaction.atomic():
+        effects_at_commit.perform_in_transaction(lease, commit.at_commit)  # written here, not by the statement
         if connection.vendor == "postgresql":
             row = commit_statement.postgresql(lease, plan, commit, None if apart else encoded, now,
-                                               delta=not snapshots.full_due(version) and not commit.added)
+                                               delta=not snapshots.full_due(version) and not commit.added,
+                                               at_commit_sql=False)
         else:
             row = commit_statement.sqlite(lease, plan, commit, None if apart else encoded, now)
         if row is None:

@@ -11,7 +11,7 @@ from django.db import connection
 
 from ..conf import harness
 from ..models import IdempotencyRecord, Snapshot, Step, Task, TaskEvent, WalEntry
-from . import events, wal
+from . import at_commit, events, wal
 from .events import NOTIFY_CHANNEL
 from .lease import Lease
 from .plan_state import PlanState
@@ -32,6 +32,7 @@ class StepCommit:
     added: list = field(default_factory=list)  # StepSpecs the step added to the plan
     consumed: dict = field(default_factory=dict)  # inbox event id -> outcome (taken by ctx.wait_for)
     ends_wait: bool = False  # the step had waited: its entry leaves Task.waiting_for
+    at_commit: list = field(default_factory=list)  # effects written by this commit (engine/at_commit.py)
 
 
 TABLES = {name: model._meta.db_table for name, model in (
@@ -93,15 +94,32 @@ def _commit_parameters(lease: Lease, plan: PlanState, commit: StepCommit, encode
     }
 
 
-def postgresql(lease, plan, commit, encoded_result, now, *, delta: bool) -> dict | None:
+_VERSION_FENCE = "AND checkpoint_version = %(expected_version)s"
+_HEAD, _TAIL = _POSTGRESQL_COMMIT.split("\nSELECT checkpoint_version, event_seq", 1)
+
+
+def postgresql(lease, plan, commit, encoded_result, now, *, delta: bool, at_commit_sql: bool = True) -> dict | None:
+    """The commit statement; with `at_commit_sql`, the effects of commit.at_commit written by it
+    too (otherwise the caller wrote them in this transaction); None when the fence fails."""
     parameters = _commit_parameters(lease, plan, commit, encoded_result, now)
     parameters.update(delta=delta, channel=NOTIFY_CHANNEL,
                       # An effect recorded only by this commit needs it on disk; a step whose
                       # effects committed in their own transactions is recomputed like a pure one.
-                      sync="on" if any(not e.committed for e in commit.effects) or harness.pure_step_sync_commit
-                      else "off")
+                      sync="on" if commit.at_commit or any(not e.committed for e in commit.effects)
+                      or harness.pure_step_sync_commit else "off")
+    statement = _POSTGRESQL_COMMIT
+    parameters["worker"] = f"{lease.host}:{lease.pid}"  # of WAL entries the statement writes
+    if commit.at_commit and at_commit_sql:
+        effects, values = at_commit.sql(commit.at_commit)
+        values["effects"] = wal.done_parameter(commit.effects, at_commit.records(commit.at_commit))
+        # The fence also refuses a key an earlier execution recorded (at_commit.RecordedEarlier).
+        head = _HEAD.replace(_VERSION_FENCE, _VERSION_FENCE + f" AND NOT EXISTS (SELECT 1 FROM {TABLES['wal']} "
+                             f"WHERE idempotency_key = ANY(%(at_commit_keys)s::text[]))", 1)
+        statement = head + effects + "\nSELECT checkpoint_version, event_seq" + _TAIL
+        values["at_commit_keys"] = [e.key for e in commit.at_commit]
+        parameters.update(values)
     with prepared_cursor() as cursor:
-        cursor.execute(_POSTGRESQL_COMMIT, parameters)
+        cursor.execute(statement, parameters)
         row = cursor.fetchone()
     return dict(zip(ROW_FIELDS, row)) if row else None
 

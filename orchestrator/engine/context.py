@@ -16,7 +16,7 @@ from .. import telemetry
 from ..tools.http import http_call
 from ..tools.llm import stream_completion
 from ..tools.process_groups import run_in_group
-from . import approvals, inbox, wal
+from . import approvals, at_commit as effects_at_commit, inbox, wal
 from ..primitives.cancellation import CancellationToken
 from .lease import Lease
 from .events import append_event
@@ -68,7 +68,7 @@ class TrackedParams:
 class StepContext:
     def __init__(self, *, task_id: int, step_id: str, params: BaseModel, deps: dict[str, Any],
                  lease: Lease, token: CancellationToken, runner=None, generation: int = 0,
-                 skipped: dict[str, str] | None = None):
+                 skipped: dict[str, str] | None = None, effects_at_commit: bool = True):
         self.task_id = task_id
         self.step_id = step_id
         # Dependencies that were skipped (a step that runs after skipped steps), with why;
@@ -80,6 +80,10 @@ class StepContext:
         self.lease = lease
         self.token = token
         self.completed_effects: list[wal.CompletedEffect] = []
+        # Effects to be written by the step's checkpoint (effect(..., at_commit=True)); False:
+        # performed in place, after such a checkpoint was refused (engine/at_commit.py).
+        self.at_commit: list[effects_at_commit.EffectAtCommit] = []
+        self.effects_at_commit = effects_at_commit
         # Steps this step adds to the plan: committed with its checkpoint, so a crash
         # before it leaves none of them and the re-run adds them again.
         self.added_steps: list = []
@@ -95,12 +99,21 @@ class StepContext:
         # a limit does not cut the step (cutting it would leave an outcome in doubt).
         self.unsafe_effects_in_flight = 0
 
-    def effect(self, tool: str, args: dict) -> Any:
-        """Perform a side effect through the WAL; returns the tool's result."""
+    def effect(self, tool: str, args: dict, *, at_commit: bool = False) -> Any:
+        """Perform a side effect through the WAL; returns the tool's result. `at_commit`: a
+        transactional tool whose result is known before it runs (db.upsert) is written with the
+        step's checkpoint, in one transaction (engine/at_commit.py): faster, but the step cannot
+        read what it writes before then, and a refused write fails the step at its commit."""
         with self._lock:  # with cut(): a step is never cut between this check and its effect's start
             self.token.raise_if_cancelled()
             call_index = self._call_index
             self._call_index += 1
+            if at_commit and self.effects_at_commit:
+                deferred, result = effects_at_commit.defer(
+                    lease=self.lease, step_id=self.step_id, call_index=call_index, tool_name=tool, args=args,
+                    generation=self.generation, pending=self.at_commit)
+                if deferred:
+                    return result
             unsafe = not replay_safe(tool, args)
             self.unsafe_effects_in_flight += unsafe
         try:

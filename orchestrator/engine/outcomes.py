@@ -20,7 +20,7 @@ from .. import outage
 from ..conf import harness
 from ..models import StepStatus
 from ..primitives.cancellation import Cancelled
-from . import checkpoint, lease as leases, wal
+from . import at_commit, checkpoint, lease as leases, wal
 from .context import LimitExceeded, StepContext, StepTimedOut, WaitForEvent
 from .lease import LeaseLost
 from .run_state import LIMIT_CUT, PAUSE_CUT, PREEMPTED, STEP_TIMEOUT, UNIT_FAILED, InFlight, RunState
@@ -158,7 +158,19 @@ def commit_result(state: RunState, flight: InFlight, result) -> None:
             lease=state.lease, plan=state.plan, step_id=step_id, result=result,
             reads=ctx.params.keys_read, effects=ctx.completed_effects, started_at=flight.started_at,
             tokens_used=ctx.tokens_used, active_seconds=state.take_active_seconds(), added=ctx.added_steps,
-            consumed=ctx.consumed_events, ends_wait=step_id in state.waits)
+            consumed=ctx.consumed_events, ends_wait=step_id in state.waits, at_commit=ctx.at_commit)
+    except at_commit.RecordedEarlier:
+        # Not a failure: the step runs again at once, its effects in place (the recorded result).
+        log.info("an effect at commit was recorded by an earlier execution: the step runs again", extra=extra)
+        state.effects_in_place.add(step_id)
+        state.plan.requeue(step_id)
+        return
+    except at_commit.FailedAtCommit as exc:
+        log.warning("checkpoint with effects at commit refused: the step's next attempt performs them in place",
+                    extra=extra)
+        state.effects_in_place.add(step_id)
+        step_failed(state, step_id, exc, flight)
+        return
     except LeaseLost:
         log.warning("lease lost: step result discarded", extra=extra)
         state.lose_lease()

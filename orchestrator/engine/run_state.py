@@ -99,6 +99,9 @@ class RunState:
     plan: PlanState = field(default_factory=PlanState)
     results: Any = None
     skipped: dict[str, str] = field(default_factory=dict)
+    # Steps whose checkpoint with effects at commit was refused: their retries perform them in
+    # place (engine/at_commit.py), so their code sees the error.
+    effects_in_place: set[str] = field(default_factory=set)
 
     def __post_init__(self):
         self.token = CancellationToken(f"task-{self.lease.task_id}")

@@ -4,9 +4,8 @@
    deterministic idempotency key: task, step, call index — the same on replay. The look
    for an earlier execution and the intent are one transaction.
 2. Perform the effect, passing the key to the tool.
-3. Record `done` with the result (or `failed` with the error). `done` is committed with
-   the step's checkpoint (runner), so a side-effect step costs two commits: intent and
-   checkpoint. If the step raises after the effect, the runner still commits the `done`.
+3. Record `done` with the result (or `failed` with the error) in the step's checkpoint
+   (two commits: intent, checkpoint); a step that raises after the effect still commits it.
 
 How a tool's failure is read (tools/base.py):
 - ToolError: *not performed* (nothing reached the other side, or it refused before
@@ -23,8 +22,8 @@ failed (performed again with the same key), and only `unknown` goes to review. E
 probe settled carry settled_by="probe" (counted on the review queue's page).
 
 A *transactional* tool (its effect is writes in the harness's own database: db.upsert)
-commits intent, effect, idempotency record and `done` in one transaction: all or nothing,
-never in doubt, and the step costs two commits (that one and its checkpoint).
+commits intent, effect, idempotency record and `done` in one transaction, never in doubt;
+at_commit=True makes that transaction the step's checkpoint (engine/at_commit.py).
 
 Before performing, the WAL and the idempotency store are consulted: a recorded result is
 reused, never performed twice. A `pending` entry found on re-execution means an earlier
@@ -372,16 +371,21 @@ def mark_done(effects: list[CompletedEffect]) -> None:
 
 
 def done_sql() -> str:
-    """mark_done() as common table expressions of one PostgreSQL statement (the one-statement
-    checkpoint, engine/checkpoint.py): `effects` (the parameter %(effects)s: done_parameter())
-    recorded `done` with their results and their keys in the idempotency store, at %(now)s,
-    only if the statement's fence `t` returned a row. Starts with a comma: it follows the
-    statement's other expressions."""
+    """mark_done() as CTEs of the one-statement checkpoint (engine/checkpoint.py), after its
+    others (hence the leading comma): `effects` (%(effects)s: done_parameter()) recorded `done`
+    with their results and keys at %(now)s if the fence `t` returned a row; those with no entry
+    yet (written by the statement itself: engine/at_commit.py) get one."""
     return """, effects AS (
-    SELECT * FROM jsonb_to_recordset(%(effects)s::jsonb) AS e(id bigint, key text, tool text, result jsonb)
+    SELECT * FROM jsonb_to_recordset(%(effects)s::jsonb) AS e(id bigint, key text, tool text, result jsonb,
+                                                                step_id text, call_index int, args jsonb, idempotent boolean)
 ), w AS (
     UPDATE {wal} SET status = 'done', result = effects.result, completed_at = %(now)s, error = ''
     FROM effects WHERE {wal}.id = effects.id AND EXISTS (SELECT 1 FROM t)
+), n AS (
+    INSERT INTO {wal} (task_id, step_id, call_index, tool, args, idempotency_key, idempotent, status, result, error,
+                       lease_epoch, worker, created_at, completed_at, settled_by)
+    SELECT %(task_id)s, step_id, call_index, tool, args, key, idempotent, 'done', result, '', %(epoch)s, %(worker)s,
+           %(now)s, %(now)s, '' FROM effects WHERE id IS NULL AND EXISTS (SELECT 1 FROM t)
 ), i AS (
     INSERT INTO {idempotency} (key, tool, result, created_at)
     SELECT effects.key, effects.tool, effects.result, %(now)s FROM effects WHERE EXISTS (SELECT 1 FROM t)
@@ -389,7 +393,8 @@ def done_sql() -> str:
 )""".format(wal=WalEntry._meta.db_table, idempotency=IdempotencyRecord._meta.db_table)
 
 
-def done_parameter(effects: list[CompletedEffect]) -> str:
-    """The %(effects)s of done_sql(): the effects not yet recorded, as JSON."""
+def done_parameter(effects: list[CompletedEffect], new: list[dict] = ()) -> str:
+    """The %(effects)s of done_sql(): the effects not yet recorded, and `new` ones (key, tool,
+    result, step_id, call_index, args, idempotent) with no entry yet, as JSON."""
     return json.dumps([{"id": e.entry_id, "key": e.key, "tool": e.tool, "result": e.result}
-                       for e in effects if not e.committed])
+                       for e in effects if not e.committed] + [{"id": None, **record} for record in new])

@@ -72,6 +72,20 @@ class Tool:
     # The effect is writes in the harness's own database: perform() runs inside the WAL's
     # transaction, so intent, effect and `done` commit together (engine/wal.py).
     transactional: ClassVar[bool] = False
+    # A transactional tool whose result is known before it runs may be performed with the
+    # step's checkpoint, in its transaction (ctx.effect(..., at_commit=True); engine/at_commit.py):
+    # it implements planned_result() and commit_sql().
+    commits_with_step: ClassVar[bool] = False
+
+    def planned_result(self, args: dict) -> Any:
+        """What perform() returns for `args`, known before it runs (commits_with_step tools)."""
+        raise NotImplementedError
+
+    def commit_sql(self, args: dict, *, fence: str, prefix: str) -> tuple[str, dict]:
+        """The effect as the body of one data-modifying CTE of the PostgreSQL step commit
+        (commits_with_step tools): writes only where the SQL condition `fence` holds; its
+        parameters are named, each name starting with `prefix`."""
+        raise NotImplementedError
 
     def is_idempotent(self, args: dict) -> bool:
         """Whether replaying this call cannot duplicate its effect."""

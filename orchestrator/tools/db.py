@@ -33,6 +33,7 @@ class DbUpsert(Tool):
     description = "Insert or update rows by primary key: {table, columns, rows}."
     idempotent = True
     transactional = True
+    commits_with_step = True
 
     def _model(self, table: str):
         model = _upsert_models().get(table)
@@ -72,7 +73,41 @@ class DbUpsert(Tool):
             if rows:
                 upsert(model, args["columns"], rows)
             fault_point_for_key("during_effect", key)  # crash tests: rows written, not committed
-        return {"table": args["table"], "rows": len(rows)}
+        return self.planned_result(args)
+
+    def planned_result(self, args: dict) -> dict:
+        return {"table": args["table"], "rows": len(args["rows"])}
+
+    def commit_sql(self, args: dict, *, fence: str, prefix: str) -> tuple[str, dict]:
+        # Each value cast to its column's type: in INSERT ... SELECT the server cannot infer it.
+        head, conflict, by_position, filled = _upsert_parts(self._model(args["table"]), args["columns"])
+        params, values = {}, []
+        for r, row in enumerate(args["rows"]):
+            marks = []
+            for c, (f, i) in enumerate(by_position):
+                name = f"{prefix}{r}_{c}"
+                params[name] = f.get_db_prep_save(row[i], connection) if i is not None else filled[f.attname]
+                marks.append(f"%({name})s::{f.cast_db_type(connection)}")
+            values.append("(" + ", ".join(marks) + ")")
+        return f"{head} SELECT * FROM (VALUES {', '.join(values)}) AS v WHERE {fence}{conflict}", params
+
+
+def _upsert_parts(model, columns: list[str]):
+    """("INSERT INTO table (every column)", " ON CONFLICT ...", [(field, index in `columns` or
+    None)], {attname: the value of a column not given}) for an upsert of `columns`."""
+    meta, quote = model._meta, connection.ops.quote_name
+    given = {name: i for i, name in enumerate(columns)}
+    now = timezone.now()
+    filled = {f.attname: f.get_db_prep_save(now if getattr(f, "auto_now", False) or getattr(f, "auto_now_add", False)
+                                            else f.get_default(), connection)
+              for f in meta.concrete_fields if f.attname not in given}
+    by_position = [(f, given.get(f.attname)) for f in meta.concrete_fields]
+    updated = [c for c in columns if c != meta.pk.attname]
+    conflict = (f" ON CONFLICT ({quote(meta.pk.column)}) DO "
+                + (f"UPDATE SET {', '.join(f'{quote(meta.get_field(c).column)} = EXCLUDED.{quote(meta.get_field(c).column)}' for c in updated)}"
+                   if updated else "NOTHING"))
+    head = f"INSERT INTO {quote(meta.db_table)} ({', '.join(quote(f.column) for f, _ in by_position)})"
+    return head, conflict, by_position, filled
 
 
 def upsert(model, columns: list[str], rows: list[list]) -> None:
@@ -80,24 +115,12 @@ def upsert(model, columns: list[str], rows: list[list]) -> None:
     `bulk_create(update_conflicts=True)` writes — every column, those not given at their model
     default (auto_now ones at now), and on a conflict the given columns — without a model
     instance per row (a side-effect step's upsert cost twice the database's work in Python)."""
-    meta, quote = model._meta, connection.ops.quote_name
-    fields = [f for f in meta.concrete_fields]
-    given = {name: i for i, name in enumerate(columns)}
-    now = timezone.now()
-    filled = {f.attname: f.get_db_prep_save(now if getattr(f, "auto_now", False) or getattr(f, "auto_now_add", False)
-                                            else f.get_default(), connection)
-              for f in fields if f.attname not in given}
-    by_position = [(f, given.get(f.attname)) for f in fields]
-    updated = [c for c in columns if c != meta.pk.attname]
-    conflict = (f" ON CONFLICT ({quote(meta.pk.column)}) DO "
-                + (f"UPDATE SET {', '.join(f'{quote(meta.get_field(c).column)} = EXCLUDED.{quote(meta.get_field(c).column)}' for c in updated)}"
-                   if updated else "NOTHING"))
-    head = f"INSERT INTO {quote(meta.db_table)} ({', '.join(quote(f.column) for f, _ in by_position)}) VALUES "
+    head, conflict, by_position, filled = _upsert_parts(model, columns)
     one = "(" + ", ".join(["%s"] * len(by_position)) + ")"
-    batch = max(1, min(500, connection.ops.bulk_batch_size(fields, rows)))
+    batch = max(1, min(500, connection.ops.bulk_batch_size([f for f, _ in by_position], rows)))
     with connection.cursor() as cursor:
         for start in range(0, len(rows), batch):
             chunk = rows[start:start + batch]
             params = [f.get_db_prep_save(row[i], connection) if i is not None else filled[f.attname]
                       for row in chunk for f, i in by_position]
-            cursor.execute(head + ", ".join([one] * len(chunk)) + conflict, params)
+            cursor.execute(head + " VALUES " + ", ".join([one] * len(chunk)) + conflict, params)

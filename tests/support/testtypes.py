@@ -465,3 +465,32 @@ class Session(TaskType):
         elif ctx.params.leave == "thread":
             threading.Thread(target=time.sleep, args=(600,), name="left-behind", daemon=True).start()
         return {"pid": os.getpid(), "backend": backend, "left": left}
+
+
+class AtCommitParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    amount: str = "2.5000"  # "not a number": the database refuses the row at the commit
+    raise_after: bool = False  # the step raises after its effect call
+
+
+@register
+class AtCommit(TaskType):
+    """Two steps, each upserting one demo_destination row (id 900000 + index) with the step's
+    checkpoint (ctx.effect(..., at_commit=True)); each returns the tool's result and whether the
+    row could be read before the commit."""
+
+    name = "test.at_commit"
+    Params = AtCommitParams
+
+    def plan(self, params):
+        return [StepSpec("s0"), StepSpec("s1", depends_on=("s0",))]
+
+    def run_step(self, ctx, step_id):
+        from demo.models import DemoDestination
+
+        row_id = 900_000 + int(step_id[1:])
+        result = ctx.effect("db.upsert", {"table": "demo_destination", "columns": ["id", "amount"],
+                                          "rows": [[row_id, ctx.params.amount]]}, at_commit=True)
+        if ctx.params.raise_after:
+            raise RuntimeError("the step failed after its effect call")
+        return {"effect": result, "row_before_commit": DemoDestination.objects.filter(pk=row_id).exists()}
