@@ -28,10 +28,6 @@ from ..tools.catalog import get_tool
 from . import wal
 from .lease import Lease
 
-# Above this many values the effect is performed in place: one statement carries them all.
-MAX_VALUES = 5_000
-
-
 @dataclass
 class EffectAtCommit:
     key: str
@@ -68,7 +64,7 @@ def defer(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args: 
         raise ToolError(f"{tool_name} cannot be performed at the step's commit (at_commit=True): only a "
                         f"transactional tool whose result is known before it runs can (db.upsert)")
     tool.validate(args)
-    if len(args.get("rows") or ()) * max(1, len(args.get("columns") or ())) > MAX_VALUES:
+    if not tool.fits_in_commit(args):
         return False, None
     key = wal.idempotency_key(lease.task_id, step_id, call_index, generation)
     result = tool.planned_result(args)

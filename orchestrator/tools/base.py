@@ -77,6 +77,11 @@ class Tool:
     # it implements planned_result() and commit_sql().
     commits_with_step: ClassVar[bool] = False
 
+    def fits_in_commit(self, args: dict) -> bool:
+        """Whether this call is small enough to ride in the step's commit statement (else it is
+        performed in place)."""
+        return True
+
     def planned_result(self, args: dict) -> Any:
         """What perform() returns for `args`, known before it runs (commits_with_step tools)."""
         raise NotImplementedError

@@ -6,7 +6,7 @@ always knows whether it happened.
 """
 import hashlib
 import json
-from functools import cache
+from functools import cache, lru_cache
 
 from django.apps import apps
 from django.db import connection, transaction
@@ -75,21 +75,30 @@ class DbUpsert(Tool):
             fault_point_for_key("during_effect", key)  # crash tests: rows written, not committed
         return self.planned_result(args)
 
+    def fits_in_commit(self, args: dict) -> bool:
+        # One statement carries every value as a parameter; a big batch goes in place.
+        return len(args.get("rows") or ()) * max(1, len(args.get("columns") or ())) <= 5_000
+
     def planned_result(self, args: dict) -> dict:
         return {"table": args["table"], "rows": len(args["rows"])}
 
     def commit_sql(self, args: dict, *, fence: str, prefix: str) -> tuple[str, dict]:
-        # Each value cast to its column's type: in INSERT ... SELECT the server cannot infer it.
-        head, conflict, by_position, filled = _upsert_parts(self._model(args["table"]), args["columns"])
-        params, values = {}, []
-        for r, row in enumerate(args["rows"]):
-            marks = []
-            for c, (f, i) in enumerate(by_position):
-                name = f"{prefix}{r}_{c}"
-                params[name] = f.get_db_prep_save(row[i], connection) if i is not None else filled[f.attname]
-                marks.append(f"%({name})s::{f.cast_db_type(connection)}")
-            values.append("(" + ", ".join(marks) + ")")
-        return f"{head} SELECT * FROM (VALUES {', '.join(values)}) AS v WHERE {fence}{conflict}", params
+        model, rows = self._model(args["table"]), args["rows"]
+        _, _, by_position, filled = _upsert_parts(model, args["columns"])
+        params = {f"{prefix}{r}_{c}": f.get_db_prep_save(row[i], connection) if i is not None else filled[f.attname]
+                  for r, row in enumerate(rows) for c, (f, i) in enumerate(by_position)}
+        return _commit_sql_text(model, tuple(args["columns"]), len(rows), fence, prefix), params
+
+
+@lru_cache(maxsize=256)
+def _commit_sql_text(model, columns: tuple, row_count: int, fence: str, prefix: str) -> str:
+    """The statement of commit_sql for one shape (the same on every step of a chain: built once).
+    Each value is cast to its column's type: in INSERT ... SELECT the server cannot infer it."""
+    head, conflict, by_position, _ = _upsert_parts(model, list(columns))
+    casts = [f.cast_db_type(connection) for f, _ in by_position]
+    values = ", ".join("(" + ", ".join(f"%({prefix}{r}_{c})s::{cast}" for c, cast in enumerate(casts)) + ")"
+                       for r in range(row_count))
+    return f"{head} SELECT * FROM (VALUES {values}) AS v WHERE {fence}{conflict}"
 
 
 def _upsert_parts(model, columns: list[str]):

@@ -62,6 +62,15 @@ def test_a_refused_write_fails_the_step_at_its_commit_and_the_retry_performs_it_
     assert not WalEntry.objects.filter(task=task, status="done").exists()
 
 
+def test_a_batch_too_big_for_one_statement_is_performed_in_place():
+    task = run(rows=2_501)  # 5,002 values: more than db.upsert lets ride in the commit statement
+    assert task.status == "completed"
+    result = Step.objects.get(task=task, step_id="s0").result
+    assert result == {"effect": {"table": "demo_destination", "rows": 2_501}, "row_before_commit": True}
+    assert DemoDestination.objects.filter(pk__gte=900_000, pk__lt=900_000 + 10 * 2_501).count() == 2 * 2_501
+    assert list(WalEntry.objects.filter(task=task).values_list("status", flat=True)) == ["done", "done"]
+
+
 def _claimed(task_type: str = "test.at_commit"):
     task = services.task_create(type=task_type, params={}, limits={"max_subtasks": 1})
     lease = leases.claim(task.pk)

@@ -471,6 +471,7 @@ class AtCommitParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     amount: str = "2.5000"  # "not a number": the database refuses the row at the commit
     raise_after: bool = False  # the step raises after its effect call
+    rows: int = 1  # rows upserted per step (ids 900000 + step index + 10 × k)
 
 
 @register
@@ -490,7 +491,8 @@ class AtCommit(TaskType):
 
         row_id = 900_000 + int(step_id[1:])
         result = ctx.effect("db.upsert", {"table": "demo_destination", "columns": ["id", "amount"],
-                                          "rows": [[row_id, ctx.params.amount]]}, at_commit=True)
+                                          "rows": [[row_id + 10 * k, ctx.params.amount]
+                                                   for k in range(ctx.params.rows)]}, at_commit=True)
         if ctx.params.raise_after:
             raise RuntimeError("the step failed after its effect call")
         return {"effect": result, "row_before_commit": DemoDestination.objects.filter(pk=row_id).exists()}
