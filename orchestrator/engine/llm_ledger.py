@@ -31,10 +31,10 @@ def record(ctx, *, purpose: str, profile, outcome: str, prompt_tokens: int = 0, 
     """One attempt of `ctx`'s step. `count`: also add its tokens to the step's use (False for an
     attempt already counted some other way)."""
     from ..llm.profiles import cost_of
-    from .lease import lock_fenced
+    from .lease import hold_fenced
 
     with transaction.atomic():
-        lock_fenced(ctx.lease)
+        hold_fenced(ctx.lease)
         row = ModelCallAttempt.objects.create(
             task_id=ctx.task_id, step_id=ctx.step_id, generation=ctx.generation, purpose=purpose,
             profile=getattr(profile, "name", "") or "", model=getattr(profile, "model", "") or "", outcome=outcome,

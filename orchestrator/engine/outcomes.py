@@ -287,7 +287,7 @@ def diverge(state: RunState, why: str, effects: list) -> None:
     if any(not e.committed for e in effects):
         try:
             with transaction.atomic():
-                leases.lock_fenced(state.lease)
+                leases.hold_fenced(state.lease)
                 wal.mark_done(effects)
         except LeaseLost:
             state.lose_lease()

@@ -148,10 +148,10 @@ def fenced(ctx):
     """A dialog write, fenced by the lease like every other durable write (engine/lease.py):
     a runner whose lease went stale (presumed dead, the task claimed again) gets LeaseLost and
     writes nothing — it can neither add to nor overwrite the new holder's dialog."""
-    from ..engine.lease import lock_fenced
+    from ..engine.lease import hold_fenced
 
     with transaction.atomic():
-        lock_fenced(ctx.lease)
+        hold_fenced(ctx.lease)
         yield
 
 
