@@ -96,9 +96,13 @@ def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
     if simple:
         row = commit_statement.postgresql(lease, plan, commit, encoded, now, delta=True)
         if row is None:
-            if commit.at_commit and effects_at_commit.recorded_earlier(commit.at_commit):
-                raise effects_at_commit.RecordedEarlier(f"step {commit.step_id}: an effect's key was recorded earlier")
-            return _unfenced(lease, plan, commit)
+            try:  # a lost lease, or a commit that landed before a lost reply, say so first
+                return _unfenced(lease, plan, commit)
+            except CheckpointDiverged:
+                if commit.at_commit and effects_at_commit.recorded_earlier(commit.at_commit):
+                    raise effects_at_commit.RecordedEarlier(f"step {commit.step_id}: an effect's key was recorded "
+                                                            f"earlier") from None
+                raise
         _after_commit(lease.task_id, row, plan.done_count() + 1)
         return row["checkpoint_version"]
     with transaction.atomic():

@@ -68,7 +68,7 @@ class TrackedParams:
 class StepContext:
     def __init__(self, *, task_id: int, step_id: str, params: BaseModel, deps: dict[str, Any],
                  lease: Lease, token: CancellationToken, runner=None, generation: int = 0,
-                 skipped: dict[str, str] | None = None, effects_at_commit: bool = True):
+                 skipped: dict[str, str] | None = None, defer_effects: bool = True):
         self.task_id = task_id
         self.step_id = step_id
         # Dependencies that were skipped (a step that runs after skipped steps), with why;
@@ -83,7 +83,7 @@ class StepContext:
         # Effects to be written by the step's checkpoint (effect(..., at_commit=True)); False:
         # performed in place, after such a checkpoint was refused (engine/at_commit.py).
         self.at_commit: list[effects_at_commit.EffectAtCommit] = []
-        self.effects_at_commit = effects_at_commit
+        self.defer_effects = defer_effects
         # Steps this step adds to the plan: committed with its checkpoint, so a crash
         # before it leaves none of them and the re-run adds them again.
         self.added_steps: list = []
@@ -108,7 +108,7 @@ class StepContext:
             self.token.raise_if_cancelled()
             call_index = self._call_index
             self._call_index += 1
-            if at_commit and self.effects_at_commit:
+            if at_commit and self.defer_effects:
                 deferred, result = effects_at_commit.defer(
                     lease=self.lease, step_id=self.step_id, call_index=call_index, tool_name=tool, args=args,
                     generation=self.generation, pending=self.at_commit)

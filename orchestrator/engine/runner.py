@@ -249,7 +249,7 @@ class Runner:
                               skipped={d: state.skipped[d] for d in deps if d in state.skipped},
                               lease=self.lease, token=state.token.child(step_id), runner=state,
                               generation=plan.generations.get(step_id, 0),
-                              effects_at_commit=step_id not in state.effects_in_place)
+                              defer_effects=step_id not in state.effects_in_place)
             with state.start_gate:
                 if state.starts_held:  # an operator request came in: this step and the rest stay pending
                     state.token.discard_child(ctx.token)
