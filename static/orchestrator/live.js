@@ -146,10 +146,15 @@
     selectTab(tabFromHash() || tabKey(tabs()[0]));
     followHash();
     window.addEventListener("hashchange", followHash);
-    document.addEventListener("click", function (event) {
+    function selectClicked(event) {
       var tab = event.target.closest && event.target.closest('#task-tabs [role="tab"]');
       if (tab) selectTab(tabKey(tab), {record: true});
-    });
+    }
+    document.addEventListener("click", selectClicked);  // a click, and Enter or Space on a tab
+    // Live updates swap the tablist (its counts): a swap between the press and the release
+    // would take the click away from the replaced button (it then goes to their common
+    // ancestor), so the press selects the tab too.
+    document.addEventListener("pointerdown", function (event) { if (event.button === 0) selectClicked(event); });
     document.addEventListener("keydown", function (event) {
       var tab = event.target.closest && event.target.closest('#task-tabs [role="tab"]');
       if (!tab) return;

@@ -33,6 +33,8 @@ def test_operator_watches_an_agent_stream_pauses_it_sends_a_message_and_resumes(
             has=page.get_by_test_id("interrupted"))
         expect(partial).to_have_count(1)
         page.get_by_test_id("tab-inbox").click()  # the send form is the Inbox tab's
+        expect(page.get_by_test_id("tab-inbox")).to_have_attribute("aria-selected", "true")
+        expect(page.get_by_test_id("panel-inbox")).to_be_visible()
         page.get_by_test_id("send-type").select_option("user.message")
         page.get_by_test_id("send-text").fill("Answer in one sentence, please")
         page.get_by_test_id("btn-send-event").click()
