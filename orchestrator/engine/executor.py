@@ -194,7 +194,12 @@ class Watchdog:
 
     def after_run(self) -> str:
         """The run is over and the executor alive: kill what the run left running (its subprocesses,
-        and theirs re-parented to this worker), the executor spared for the next run."""
+        and theirs re-parented to this worker), the executor spared for the next run. A run that
+        ended itself on a Force-terminate (its own supervisor saw the request before this poll did)
+        has its whole tree killed here, the executor with it."""
+        if self.executor.force_ended:
+            self.kill_all()
+            return S.TERMINATED
         leftovers = processes.kill_tree(os.getpid(), include_root=False, sparing={self.pid})
         if leftovers:
             log.warning("killed %d processes the run left behind", len(leftovers), extra=self.extra)

@@ -31,6 +31,7 @@ from django.db import close_old_connections, connections
 
 from .. import telemetry
 from ..conf import harness
+from ..models import TaskStatus
 from ..tools import mcp
 from . import processes
 from .lease import LEASE_LOST, Lease
@@ -38,7 +39,10 @@ from .runner import Runner
 
 log = logging.getLogger(__name__)
 
-REUSABLE, RETIRING = b"d", b"r"
+# How a run ended, in one byte: its executor may run the next; it exits; it was force-ended
+# (Force-terminate, a Stop past its grace) and its watchdog kills its tree now, as it would had
+# its own poll seen the request first.
+REUSABLE, RETIRING, FORCE_ENDED = b"d", b"r", b"k"
 # How long an ended run's threads get to finish before the executor gives up being reused: the
 # runner's own (its supervisor, the step clock) end at their next wake, within a control poll.
 THREADS_END_WITHIN_SECONDS = 1.0
@@ -62,7 +66,7 @@ class ExecutorProcess:
         os.close(report_write)
         os.set_blocking(report_read, False)
         self.pid, self.report_fd, self.owner = pid, report_read, os.getpid()
-        self.exited, self.retiring = False, False
+        self.exited, self.retiring, self.force_ended = False, False, False
         # Readable when the executor exits: the watchdog wakes at once instead of at its next
         # poll. None where the kernel has no pidfd (before Linux 5.3).
         try:
@@ -84,7 +88,7 @@ class ExecutorProcess:
         return True
 
     def report(self) -> bytes | None:
-        """How the current run ended (REUSABLE or RETIRING), or None while it goes on."""
+        """How the current run ended (REUSABLE, RETIRING or FORCE_ENDED), or None while it goes on."""
         if self.report_fd is None:
             return None
         try:
@@ -95,7 +99,8 @@ class ExecutorProcess:
             os.close(self.report_fd)
             self.report_fd = None
             return None
-        self.retiring = word == RETIRING
+        self.retiring = word in (RETIRING, FORCE_ENDED)
+        self.force_ended = word == FORCE_ENDED
         return word
 
     def poll_exit(self) -> tuple[bool, int]:
@@ -228,6 +233,9 @@ def _serve(lease_read: int, report_write: int, keep_connections: bool) -> None:
                     telemetry.flush()  # os._exit skips the exporter's atexit hook
                 # A run fenced off by another worker may have been cut anywhere: its process goes
                 # with it, as when its watchdog kills it for the same reason.
+                if outcome == TaskStatus.TERMINATED:
+                    os.write(report_write, FORCE_ENDED)
+                    break
                 retiring = (outcome == LEASE_LOST or not _threads_ended(own_threads, lease)
                             or runs >= harness.executor_max_runs)
                 os.write(report_write, RETIRING if retiring else REUSABLE)

@@ -62,9 +62,40 @@
     return refocus;
   }
 
+  // A region is not replaced while the mouse button is down inside it: the press and the
+  // release would land on different elements, and the browser then sends the click to their
+  // common ancestor (a link or a button pressed as an update arrives does nothing). Its update
+  // waits for the release (and the click after it), or at most HOLD_MAX ms.
+  var HOLD_MAX = 2000;
+  var pressed = null;
+  var held = [];
+
+  function releasePress() {
+    pressed = null;
+    var waiting = held;
+    held = [];
+    document.documentElement.removeAttribute("data-live-held");
+    waiting.forEach(swap);
+    if (waiting.length) applied();
+  }
+
+  document.addEventListener("pointerdown", function (event) {
+    pressed = event.target;
+    window.setTimeout(function () { if (pressed === event.target) releasePress(); }, HOLD_MAX);
+  }, true);
+  ["pointerup", "pointercancel"].forEach(function (name) {
+    // After the click that follows the release (dispatched before any timer runs).
+    document.addEventListener(name, function () { window.setTimeout(releasePress, 0); }, true);
+  });
+
   function swap(fragment) {
     var target = document.getElementById(fragment.target);
     if (!target) return;  // a region this page does not have (e.g. a row on another page)
+    if (pressed && fragment.swap !== "afterbegin" && target.contains(pressed)) {
+      held.push(fragment);
+      document.documentElement.setAttribute("data-live-held", String(held.length));  // for the browser tests
+      return;
+    }
     var template = document.createElement("template");
     template.innerHTML = fragment.html;
     if (fragment.swap === "afterbegin") {
@@ -86,6 +117,10 @@
 
   function applyFragments(fragments) {
     (fragments || []).forEach(swap);
+    applied();
+  }
+
+  function applied() {
     if (selectedTab) selectTab(selectedTab);  // a swapped tablist comes as the server renders it
     tickHeartbeat();
   }

@@ -96,10 +96,11 @@ def test_a_run_that_left_a_thread_running_retires_its_executor():
     assert not processes.alive(ran_on(leaving)["pid"])
 
 
-def stubborn_then_another(end_it) -> tuple[int, list[str], Task]:
-    """A worker runs a step deaf to cancellation, then another task; `end_it(stubborn, executor)`
-    ends the first run mid-step. Returns the first run's executor pid, the outcomes, the second task."""
-    stubborn = services.task_create(type="test.interruptible", params={"mode": "ignore_token", "steps": 1})
+def stubborn_then_another(end_it, mode: str = "ignore_token") -> tuple[int, list[str], Task]:
+    """A worker runs a step deaf to cancellation (or, with mode "sleep", one that obeys it), then
+    another task; `end_it(stubborn, executor)` ends the first run mid-step. Returns the first run's
+    executor pid, the outcomes, the second task."""
+    stubborn = services.task_create(type="test.interruptible", params={"mode": mode, "steps": 1, "seconds": 600})
     after = session_task()
     process = worker([["run", stubborn.pk], ["run", after.pk]])
     try:
@@ -121,6 +122,17 @@ def test_a_force_terminated_executor_is_never_reused():
     assert outcomes == ["terminated", "executor finished"]
     assert not processes.alive(executor)
     assert ran_on(after)["pid"] != executor, "the killed executor's pid ran the next task"
+
+
+def test_an_executor_whose_run_obeyed_a_force_terminate_is_killed_not_reused():
+    # The run's own supervisor may see the request before the watchdog's poll does, and a step
+    # that obeys its cancellation lets the run end "terminated" by itself: its executor is
+    # killed all the same (a Force-terminate ends the task's processes, whoever saw it first).
+    executor, outcomes, after = stubborn_then_another(
+        lambda stubborn, _: services.task_terminate(task_id=stubborn.pk, reason="the test ends it"), mode="sleep")
+    assert outcomes == ["terminated", "executor finished"]
+    assert not processes.alive(executor), "the executor of a force-terminated run lives on"
+    assert ran_on(after)["pid"] != executor, "the force-terminated run's executor ran the next task"
 
 
 def test_an_executor_killed_while_it_waited_is_replaced_for_the_next_run():
