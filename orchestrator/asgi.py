@@ -1,6 +1,6 @@
 import os
 
-from django.core.asgi import get_asgi_application
+import django
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "orchestrator.settings")
 
@@ -13,7 +13,28 @@ if not apps.ready and settings.WEB_DATABASE is not None:
     # was set up before importing this (the tests, runserver) keeps the connections it has.
     settings.DATABASES["default"] = settings.WEB_DATABASE
 # Initialise Django before anything imports models (the consumers do).
-django_asgi_app = get_asgi_application()
+django.setup(set_prefix=False)
+
+from asgiref.sync import sync_to_async  # noqa: E402
+from django.core.handlers.asgi import ASGIHandler  # noqa: E402
+
+
+class OneHopASGIHandler(ASGIHandler):
+    """Django's ASGI handler with its middleware chain and view run as one synchronous call in
+    the request's thread. Every view here is synchronous and every middleware is a MiddlewareMixin,
+    whose sync hooks Django's async chain enters one sync_to_async each: a POST /api/tasks crossed
+    from the event loop into a thread 6 times, now 2 (tests/test_asgi_handler.py), ~0.7 ms less of
+    daphne's CPU per POST (docs/benchmarks.md). An async view would still work (Django runs it
+    with async_to_sync), without gaining from it."""
+
+    def load_middleware(self, is_async=False):
+        super().load_middleware(is_async=False)
+
+    async def get_response_async(self, request):
+        return await sync_to_async(self.get_response, thread_sensitive=True)(request)
+
+
+django_asgi_app = OneHopASGIHandler()
 
 from . import extensions  # noqa: E402
 
@@ -22,7 +43,6 @@ extensions.require()
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 from django.core.signals import request_finished  # noqa: E402
 from django.db import connections  # noqa: E402
 
@@ -43,7 +63,7 @@ def close_request_connections(**kwargs) -> None:
 
 # Only for requests served over ASGI: the test client's requests (ClientHandler) run in the
 # test's own thread, whose connection the test still needs.
-request_finished.connect(close_request_connections, sender=ASGIHandler,
+request_finished.connect(close_request_connections, sender=OneHopASGIHandler,
                          dispatch_uid="orchestrator.asgi.close_request_connections")
 
 application = ProtocolTypeRouter({
