@@ -37,7 +37,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
 from .. import extensions
-from ..engine.wal import key_parts
+from ..engine.wal_terms import key_parts
 from ..models import EffectClass
 from ..primitives.cancellation import CancellationToken, Cancelled
 from ..primitives.faults import fault_point_for_key

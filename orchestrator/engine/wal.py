@@ -22,8 +22,9 @@ failed (performed again with the same key), and only `unknown` goes to review. E
 probe settled carry settled_by="probe" (counted on the review queue's page).
 
 A *transactional* tool (its effect is writes in the harness's own database: db.upsert)
-commits intent, effect, idempotency record and `done` in one transaction, never in doubt;
-at_commit=True makes that transaction the step's checkpoint (engine/at_commit.py).
+commits intent, effect, idempotency record and `done` in one transaction, never in doubt (on
+PostgreSQL, for a tool whose writes are SQL, one statement); at_commit=True makes that
+transaction the step's checkpoint (engine/at_commit.py).
 
 Before performing, the WAL and the idempotency store are consulted: a recorded result is
 reused, never performed twice. A `pending` entry found on re-execution means an earlier
@@ -32,13 +33,12 @@ raise AmbiguousEffect (the task goes to review).
 """
 import json
 import logging
-from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.utils import timezone
 
-from ..primitives.errors import HarnessError, StepSignal
 from .. import telemetry
 from ..models import IdempotencyRecord, Task, WalEntry, WalStatus
 from ..tools.base import OutcomeUnknown, ProbeResult, ToolError
@@ -47,57 +47,10 @@ from ..primitives.cancellation import Cancelled
 from ..primitives.faults import fault_point
 from .lease import Lease, LeaseLost, bump_fenced
 from .prepared import prepared_cursor
+# The protocol's terms, named wal.* by their callers.
+from .wal_terms import AmbiguousEffect, CompletedEffect, EffectFailed, idempotency_key
 
 log = logging.getLogger(__name__)
-
-
-class AmbiguousEffect(StepSignal):
-    """A non-idempotent effect may or may not have happened: a human must decide.
-
-    `reason` says why nobody knows (for the review item); `evidence` is what the tool saw."""
-
-    def __init__(self, entry: WalEntry, *, reason: str = "", evidence: dict | None = None):
-        super().__init__(f"{entry.tool} with key {entry.idempotency_key} may or may not have happened")
-        self.entry = entry
-        self.reason = reason or (
-            f"The step was retried and found this {entry.tool} intent still pending: an earlier attempt "
-            f"(worker {entry.worker}) failed after writing the intent, so whether the effect happened is unknown.")
-        self.evidence = evidence or {}
-
-
-class EffectFailed(HarnessError):
-    """The tool reported a failure; the WAL entry is (or will be) marked failed."""
-
-    def __init__(self, entry_id: int, error: Exception):
-        super().__init__(str(error))
-        self.entry_id, self.error = entry_id, error
-
-
-@dataclass
-class CompletedEffect:
-    """An effect that happened and whose `done` is committed with the step checkpoint
-    (`committed`: already recorded done, in the effect's own transaction)."""
-
-    entry_id: int
-    key: str
-    tool: str
-    result: Any
-    committed: bool = False
-
-
-def idempotency_key(task_id: int, step_id: str, call_index: int, generation: int = 0) -> str:
-    """Deterministic: the same step, generation and call give the same key on every replay."""
-    step = f"{step_id}@{generation}" if generation else step_id
-    return f"t{task_id}:{step}:{call_index}"
-
-
-def key_parts(key: str) -> tuple[int | None, str | None, int | None]:
-    """(task id, step id, call index) of a key made by idempotency_key; Nones for any other."""
-    task, _, rest = key.partition(":")
-    step, _, index = rest.rpartition(":")
-    if not (task.startswith("t") and task[1:].isdigit() and step and index.isdigit()):
-        return None, None, None
-    return int(task[1:]), step.rsplit("@", 1)[0], int(index)
 
 
 def by_key(queryset):
@@ -213,6 +166,11 @@ def _perform_in_transaction(*, lease, step_id, call_index, tool, args, key, toke
     and the effect then rolls back before the entry is read, as on SQLite (a read saved per effect)."""
     if connection.vendor == "postgresql":
         try:
+            if tool.commits_with_step and tool.fits_in_commit(args) and not connection.in_atomic_block:
+                written, result = _in_one_statement(lease=lease, step_id=step_id, call_index=call_index, tool=tool,
+                                                    args=args, key=key, completed=completed)
+                if written:
+                    return result
             return _in_one_transaction(lease=lease, step_id=step_id, call_index=call_index, tool=tool, args=args,
                                        key=key, token=token, completed=completed, look_first=False)
         except _RecordedEarlier:
@@ -220,6 +178,37 @@ def _perform_in_transaction(*, lease, step_id, call_index, tool, args, key, toke
                      extra={"task_id": lease.task_id, "step_id": step_id})
     return _in_one_transaction(lease=lease, step_id=step_id, call_index=call_index, tool=tool, args=args, key=key,
                                token=token, completed=completed, look_first=True)
+
+
+def _in_one_statement(*, lease, step_id, call_index, tool, args, key, completed) -> tuple[bool, Any]:
+    """A tool whose writes are SQL (Tool.commits_with_step: db.upsert): the effect, its entry
+    `done` and its key in one autocommitted statement (_record_sql), flushed: one
+    round trip instead of BEGIN, the write, the record and COMMIT. _RecordedEarlier when an
+    earlier execution took the key; (False, None) when it wrote nothing otherwise (the lease
+    went, a value was refused): the transaction's way then says which."""
+    fault_point("before_intent", step_id)
+    try:
+        body, values = tool.commit_sql(args, fence="EXISTS (SELECT 1 FROM t)", prefix="e_")
+    except Exception:  # noqa: BLE001 - a value refused: the transaction's way reports it
+        return False, None
+    # The transaction's fault points, in its order: nothing is written yet, as after its rollback.
+    fault_point("during_effect", step_id)
+    fault_point("after_intent", step_id)
+    result = tool.planned_result(args)
+    try:
+        _, entry_id = _run_record_sql(lease, step_id=step_id, call_index=call_index, tool=tool, args=args, key=key,
+                                      result=result, now=timezone.now(), effect_body=body, effect_values=values)
+    except IntegrityError as exc:  # nothing of it was written (one statement)
+        if WalEntry.objects.filter(idempotency_key=key).exists():
+            raise _RecordedEarlier(key) from exc
+        return False, None  # a constraint of the tool's table: the transaction's way reports it
+    except DatabaseError:  # nothing of it was written (one statement)
+        return False, None
+    if entry_id is None:
+        return False, None
+    fault_point("after_effect", step_id)
+    completed.append(CompletedEffect(entry_id, key, tool.name, result, committed=True))
+    return True, result
 
 
 def _in_one_transaction(*, lease, step_id, call_index, tool, args, key, token, completed, look_first: bool) -> Any:
@@ -245,39 +234,43 @@ def _in_one_transaction(*, lease, step_id, call_index, tool, args, key, token, c
     return result
 
 
-_RECORD_DONE_POSTGRESQL = """
-WITH t AS (
-    SELECT id FROM {task} WHERE id = %(task_id)s AND lease_epoch = %(epoch)s AND lease_owner = %(owner)s FOR UPDATE
-), w AS (
-    INSERT INTO {wal} (task_id, step_id, call_index, tool, args, idempotency_key, idempotent, status, result,
-                       error, lease_epoch, worker, created_at, completed_at, settled_by)
-    SELECT %(task_id)s, %(step_id)s, %(call_index)s, %(tool)s, %(args)s::jsonb, %(key)s, %(idempotent)s, 'done',
-           %(result)s::jsonb, '', %(epoch)s, %(worker)s, %(now)s, %(now)s, '' FROM t
-    ON CONFLICT (idempotency_key) DO NOTHING
-    RETURNING id
-), i AS (
-    INSERT INTO {idempotency} (key, tool, result, created_at)
-    SELECT %(key)s, %(tool)s, %(result)s::jsonb, %(now)s FROM w ON CONFLICT (key) DO NOTHING
-)
-SELECT (SELECT id FROM t), (SELECT id FROM w)
-""".format(task=Task._meta.db_table, wal=WalEntry._meta.db_table, idempotency=IdempotencyRecord._meta.db_table)
+# The task row locked on the lease and read for nothing else (lease.hold_fenced's form).
+_LEASE_FENCE = (f"SELECT id FROM {Task._meta.db_table} WHERE id = %(task_id)s AND lease_epoch = %(epoch)s "
+                f"AND lease_owner = %(owner)s FOR UPDATE")
+
+
+@lru_cache(maxsize=256)
+def _record_sql(effect_body: str = "") -> str:
+    """PostgreSQL: one statement fenced on the lease (`t`) that records an effect's entry `done`
+    and its key (done_sql, one new entry); with `effect_body` (a data-modifying CTE fenced on `t`),
+    the effect too. Returns (the fence's row, the new entry's id). A key an earlier execution took
+    fails the whole statement (the entry's unique key): nothing of it is written."""
+    effect = f", e AS ({effect_body})" if effect_body else ""
+    return f"WITH t AS ({_LEASE_FENCE}){effect}{done_sql()}\nSELECT (SELECT id FROM t), (SELECT id FROM n)"
+
+
+def _run_record_sql(lease: Lease, *, step_id, call_index, tool, args, key, result, now, effect_body: str = "",
+                    effect_values: dict | None = None) -> tuple[int | None, int | None]:
+    record = {"key": key, "tool": tool.name, "result": result, "step_id": step_id, "call_index": call_index,
+              "args": tool.wal_args(args), "idempotent": tool.is_idempotent(args)}
+    with prepared_cursor() as cursor:
+        cursor.execute(_record_sql(effect_body), {
+            **(effect_values or {}), "task_id": lease.task_id, "epoch": lease.epoch, "owner": lease.owner,
+            "now": now, "worker": f"{lease.host}:{lease.pid}", "effects": done_parameter([], [record])})
+        return cursor.fetchone()
 
 
 def _record_done(lease: Lease, entry: WalEntry | None, *, step_id, call_index, tool, args, key, result) -> int:
     """In the effect's transaction: the entry `done` with its result, and the key recorded."""
     now = timezone.now()
     if entry is None and connection.vendor == "postgresql":
-        with prepared_cursor() as cursor:
-            cursor.execute(_RECORD_DONE_POSTGRESQL, {
-                "now": now, "task_id": lease.task_id, "epoch": lease.epoch, "owner": lease.owner, "step_id": step_id,
-                "call_index": call_index, "tool": tool.name, "args": json.dumps(tool.wal_args(args)), "key": key,
-                "idempotent": tool.is_idempotent(args), "result": json.dumps(result),
-                "worker": f"{lease.host}:{lease.pid}"})
-            fenced, entry_id = cursor.fetchone()
+        try:
+            fenced, entry_id = _run_record_sql(lease, step_id=step_id, call_index=call_index, tool=tool, args=args,
+                                               key=key, result=result, now=now)
+        except IntegrityError as exc:  # the entry's unique key: an earlier execution took it
+            raise _RecordedEarlier(key) from exc
         if fenced is None:
             raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale")
-        if entry_id is None:
-            raise _RecordedEarlier(key)
         return entry_id
     bump_fenced(lease)  # a worker whose lease is stale writes nothing (and its effect rolls back)
     if entry is None:
@@ -374,7 +367,7 @@ def done_sql() -> str:
     """mark_done() as CTEs of the one-statement checkpoint (engine/checkpoint.py), after its
     others (hence the leading comma): `effects` (%(effects)s: done_parameter()) recorded `done`
     with their results and keys at %(now)s if the fence `t` returned a row; those with no entry
-    yet (written by the statement itself: engine/at_commit.py) get one."""
+    yet (written by the statement itself: engine/at_commit.py, _record_sql) get one."""
     return """, effects AS (
     SELECT * FROM jsonb_to_recordset(%(effects)s::jsonb) AS e(id bigint, key text, tool text, result jsonb,
                                                                 step_id text, call_index int, args jsonb, idempotent boolean)
@@ -386,6 +379,7 @@ def done_sql() -> str:
                        lease_epoch, worker, created_at, completed_at, settled_by)
     SELECT %(task_id)s, step_id, call_index, tool, args, key, idempotent, 'done', result, '', %(epoch)s, %(worker)s,
            %(now)s, %(now)s, '' FROM effects WHERE id IS NULL AND EXISTS (SELECT 1 FROM t)
+    RETURNING id
 ), i AS (
     INSERT INTO {idempotency} (key, tool, result, created_at)
     SELECT effects.key, effects.tool, effects.result, %(now)s FROM effects WHERE EXISTS (SELECT 1 FROM t)

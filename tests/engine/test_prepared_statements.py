@@ -28,6 +28,7 @@ def test_the_step_commit_and_an_effect_record_are_prepared_unless_turned_off(pre
     if prepare:
         assert len(statements) == 2, statements
         assert any("step_done" in s for s in statements)  # the step commit
-        assert any("ON CONFLICT (idempotency_key)" in s for s in statements)  # the effect's record
+        # The effect with its record (one statement: the upsert, the entry `done`, the key).
+        assert any("step_done" not in s and "orchestrator_walentry" in s and "e AS (INSERT" in s for s in statements)
     else:
         assert statements == []
