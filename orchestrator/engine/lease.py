@@ -198,6 +198,12 @@ def lock_fenced(lease: Lease) -> Task:
     return task
 
 
+# The task row if the lease is still the holder's (named parameters task_id, epoch, owner); the
+# fence of hold_fenced, and of the WAL's one-statement records (engine/wal.py) as a CTE.
+FENCE_ROW_SQL = (f"SELECT id FROM {Task._meta.db_table} "
+                 f"WHERE id = %(task_id)s AND lease_epoch = %(epoch)s AND lease_owner = %(owner)s")
+
+
 def hold_fenced(lease: Lease) -> None:
     """The fence of a write that needs nothing of the task row (a dialog row, a ledger row):
     the row locked for the rest of the transaction if the lease is still ours, else LeaseLost;
@@ -207,8 +213,7 @@ def hold_fenced(lease: Lease) -> None:
         raise transaction.TransactionManagementError("hold_fenced() must run inside transaction.atomic()")
     lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT 1 FROM {Task._meta.db_table} WHERE id = %s AND lease_epoch = %s AND lease_owner = %s"
-                       f"{lock}", [lease.task_id, lease.epoch, lease.owner])
+        cursor.execute(FENCE_ROW_SQL + lock, {"task_id": lease.task_id, "epoch": lease.epoch, "owner": lease.owner})
         if cursor.fetchone() is None:
             raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale")
 

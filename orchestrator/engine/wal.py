@@ -40,12 +40,12 @@ from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.utils import timezone
 
 from .. import telemetry
-from ..models import IdempotencyRecord, Task, WalEntry, WalStatus
+from ..models import IdempotencyRecord, WalEntry, WalStatus
 from ..tools.base import OutcomeUnknown, ProbeResult, ToolError
 from ..tools.catalog import get_tool
 from ..primitives.cancellation import Cancelled
 from ..primitives.faults import fault_point
-from .lease import Lease, LeaseLost, bump_fenced
+from .lease import FENCE_ROW_SQL, Lease, LeaseLost, bump_fenced
 from .prepared import prepared_cursor
 # The protocol's terms, named wal.* by their callers.
 from .wal_terms import AmbiguousEffect, CompletedEffect, EffectFailed, idempotency_key
@@ -234,9 +234,7 @@ def _in_one_transaction(*, lease, step_id, call_index, tool, args, key, token, c
     return result
 
 
-# The task row locked on the lease and read for nothing else (lease.hold_fenced's form).
-_LEASE_FENCE = (f"SELECT id FROM {Task._meta.db_table} WHERE id = %(task_id)s AND lease_epoch = %(epoch)s "
-                f"AND lease_owner = %(owner)s FOR UPDATE")
+_LEASE_FENCE = FENCE_ROW_SQL + " FOR UPDATE"  # the task row locked on the lease, read for nothing else
 
 
 @lru_cache(maxsize=256)
