@@ -11,7 +11,7 @@ after what the model said and before its next answer.
 Only rows of the current generation of the step that wrote them count: after an edit or a
 rollback re-runs a turn, what the earlier run said is history no more.
 """
-from django.db.models import Max, Q
+from django.db.models import Exists, Max, OuterRef, Q
 
 from ..models import AgentMessage, Step, WalEntry, WalStatus
 from . import compaction
@@ -25,12 +25,19 @@ NOT_EXECUTED = "not executed: the run was interrupted before this call"
 
 def current(task_id: int, rows=None):
     """The task's rows that still count (their step's generation is the current one); of
-    `rows` (a queryset of the task's AgentMessage) when given."""
-    rows = list((rows if rows is not None else AgentMessage.objects.filter(task_id=task_id))
-                .order_by("turn", "order", "id"))
-    step_ids = {row.step_id for row in rows if row.step_id}
-    generations = dict(Step.objects.filter(task_id=task_id, step_id__in=step_ids).values_list("step_id", "generation"))
-    return [row for row in rows if not row.step_id or generations.get(row.step_id) == row.generation]
+    `rows` (a queryset of the task's AgentMessage) when given. One query: the generation is
+    matched against the step's row in the database."""
+    written_by_current_run = Exists(Step.objects.filter(task_id=task_id, step_id=OuterRef("step_id"),
+                                                        generation=OuterRef("generation")))
+    rows = rows if rows is not None else AgentMessage.objects.filter(task_id=task_id)
+    return list(rows.filter(Q(step_id="") | written_by_current_run).order_by("turn", "order", "id"))
+
+
+def write(task_id: int, key: str, **fields) -> None:
+    """A dialog row by its key, inserted or overwritten in one statement (INSERT … ON CONFLICT):
+    a step that runs again writes its own row again. Inside the caller's fenced transaction."""
+    AgentMessage.objects.bulk_create([AgentMessage(task_id=task_id, key=key, **fields)], update_conflicts=True,
+                                     unique_fields=["task", "key"], update_fields=list(fields))
 
 
 def sendable(task_id: int, turn: int) -> tuple[AgentMessage | None, list[AgentMessage]]:
@@ -215,7 +222,6 @@ def superseded(task_id: int, turn: int) -> bool:
     """A user message arrived after turn `turn` was answered: its calls not yet started are
     superseded (the model decides again with the message in view)."""
     answer = (AgentMessage.objects.filter(task_id=task_id, role=AgentMessage.Role.ASSISTANT, turn=turn,
-                                          interrupted=False).order_by("-id").first())
-    return answer is not None and AgentMessage.objects.filter(
-        task_id=task_id, role=AgentMessage.Role.USER, turn__gte=turn, order__gte=USER_ORDER, id__gt=answer.id).exists()
-
+                                          interrupted=False).order_by("-id").values("id")[:1])
+    return AgentMessage.objects.filter(task_id=task_id, role=AgentMessage.Role.USER, turn__gte=turn,
+                                       order__gte=USER_ORDER, id__gt=answer).exists()

@@ -252,8 +252,9 @@ class StepContext:
                 token.cancel("step ended")
 
     def progress(self, message: str, **data) -> None:
-        """Append a progress event to the task's log (committed at once, shown live)."""
-        with transaction.atomic():
+        """Append a progress event to the task's log (committed at once, shown live; inside a
+        caller's transaction, with it: no savepoint of its own)."""
+        with transaction.atomic(savepoint=False):
             task = lock_fenced(self.lease)
             append_event(task, "progress", {"step": self.step_id, "message": message, **data})
 

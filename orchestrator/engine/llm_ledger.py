@@ -14,6 +14,7 @@ runs again and finds what it left (record_lost).
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from decimal import Decimal
 
 from django.db import transaction
@@ -27,14 +28,14 @@ Outcome = ModelCallAttempt.Outcome
 
 
 def record(ctx, *, purpose: str, profile, outcome: str, prompt_tokens: int = 0, completion_tokens: int = 0,
-           cached_tokens: int = 0, estimated: bool = False, error: str = "", count: bool = True) -> ModelCallAttempt:
+           cached_tokens: int = 0, estimated: bool = False, error: str = "", count: bool = True,
+           fence_held: bool = False) -> ModelCallAttempt:
     """One attempt of `ctx`'s step. `count`: also add its tokens to the step's use (False for an
-    attempt already counted some other way)."""
+    attempt already counted some other way). `fence_held`: the caller's transaction holds the
+    lease's fence already (its other writes and this row commit together)."""
     from ..llm.profiles import cost_of
-    from .lease import hold_fenced
 
-    with transaction.atomic():
-        hold_fenced(ctx.lease)
+    with _fenced(ctx, fence_held):
         row = ModelCallAttempt.objects.create(
             task_id=ctx.task_id, step_id=ctx.step_id, generation=ctx.generation, purpose=purpose,
             profile=getattr(profile, "name", "") or "", model=getattr(profile, "model", "") or "", outcome=outcome,
@@ -42,8 +43,24 @@ def record(ctx, *, purpose: str, profile, outcome: str, prompt_tokens: int = 0, 
             cached_tokens=max(int(cached_tokens), 0), estimated=estimated, error=error[:2000],
             cost=cost_of(profile, prompt_tokens, completion_tokens, cached_tokens) if profile is not None else None)
     if count:
-        ctx.use_tokens(row.prompt_tokens + row.completion_tokens)
+        # Counted once the row is: a transaction that rolls back (its lease lost, a write after
+        # it failed) counts nothing, and the attempt row left behind is counted lost later.
+        transaction.on_commit(lambda: ctx.use_tokens(row.prompt_tokens + row.completion_tokens))
     return row
+
+
+@contextmanager
+def _fenced(ctx, held: bool):
+    from .lease import hold_fenced
+
+    if held:
+        if not transaction.get_connection().in_atomic_block:
+            raise transaction.TransactionManagementError("fence_held: the caller must hold the fence in a transaction")
+        yield
+        return
+    with transaction.atomic():
+        hold_fenced(ctx.lease)
+        yield
 
 
 def record_failures(ctx, *, purpose: str, profile, failed_attempts) -> None:
@@ -70,11 +87,12 @@ def record_call_failure(ctx, exc: Exception, *, purpose: str, profile) -> None:
         record(ctx, purpose=purpose, profile=profile, outcome=Outcome.REFUSED, error=str(exc))
 
 
-def account_attempt_rows(ctx, *, profile, role: str, current: AgentMessage | None = None, outcome: str = "") -> int:
+def account_attempt_rows(ctx, *, profile, role: str, current: AgentMessage | None = None, outcome: str = "",
+                         fence_held: bool = False) -> int:
     """Record in the ledger this step's attempt rows not yet accounted (engine/llm_ledger.py):
     `current` (a cut, cancelled or capped attempt, kept) with `outcome`, and any other one as
     lost with its process (estimated from what it had streamed). Their tokens count against
-    max_tokens. Returns how many tokens they were."""
+    max_tokens. Returns how many tokens they were. `fence_held`: as record's."""
     rows = list(AgentMessage.objects.filter(task_id=ctx.task_id, step_id=ctx.step_id, generation=ctx.generation,
                                             role=role, interrupted=True, accounted=False))
     purpose = "summary" if role == AgentMessage.Role.SUMMARY else "turn"
@@ -85,9 +103,11 @@ def account_attempt_rows(ctx, *, profile, role: str, current: AgentMessage | Non
                           outcome=outcome if mine else Outcome.LOST,
                           prompt_tokens=row.prompt_tokens, completion_tokens=row.completion_tokens,
                           estimated=row.tokens_estimated if mine else True,
-                          error="" if mine else "the process making this call died before it finished")
+                          error="" if mine else "the process making this call died before it finished",
+                          fence_held=fence_held)
         tokens += row.prompt_tokens + row.completion_tokens
-    AgentMessage.objects.filter(pk__in=[r.pk for r in rows]).update(accounted=True)
+    if rows:
+        AgentMessage.objects.filter(pk__in=[r.pk for r in rows]).update(accounted=True)
     return tokens
 
 

@@ -298,8 +298,8 @@ class PlanExecuteAgent(TaskType):
         turn = history.latest_turn(task_id)
 
         def append():
-            AgentMessage.objects.update_or_create(task_id=task_id, key=f"user:{seq}", defaults={
-                "turn": turn, "order": history.USER_ORDER + seq, "role": AgentMessage.Role.USER, "content": text})
+            history.write(task_id, f"user:{seq}", turn=turn, order=history.USER_ORDER + seq,
+                          role=AgentMessage.Role.USER, content=text)
 
         return Applied(f"appended to the dialog after turn {turn}; the model reads it at its next turn",
                        writes=[append])
@@ -486,21 +486,25 @@ class PlanExecuteAgent(TaskType):
                  for i, c in enumerate(completion.tool_calls, start=1)]
         cost = profile.cost(completion.usage)
         llm_ledger.record_failures(ctx, purpose="turn", profile=profile, failed_attempts=completion.failed_attempts)
+        # The answer, its ledger row and the end of its attempt commit together (one transaction):
+        # a process that dies before leaves the attempt row, which the next run counts as lost.
         with fenced(ctx):
             attempt.delete()  # complete: its usage is the completion's
-        earlier = llm_ledger.account_attempt_rows(ctx, profile=profile, role=AgentMessage.Role.ASSISTANT)
-        llm_ledger.record(ctx, purpose="turn", profile=profile,
-                          outcome=llm_ledger.Outcome.REATTACHED if reattached else llm_ledger.Outcome.COMPLETED,
+            earlier = llm_ledger.account_attempt_rows(ctx, profile=profile, role=AgentMessage.Role.ASSISTANT,
+                                                      fence_held=True)
+            llm_ledger.record(ctx, purpose="turn", profile=profile,
+                              outcome=llm_ledger.Outcome.REATTACHED if reattached else llm_ledger.Outcome.COMPLETED,
+                              prompt_tokens=completion.usage.prompt_tokens,
+                              completion_tokens=completion.usage.completion_tokens,
+                              cached_tokens=completion.usage.cached_tokens, estimated=completion.usage.estimated,
+                              fence_held=True)
+            history.write(ctx.task_id, f"{ctx.step_id}:g{ctx.generation}", turn=turn, order=0,
+                          role=AgentMessage.Role.ASSISTANT, content=completion.content,
+                          reasoning=completion.reasoning, tool_calls=calls,
                           prompt_tokens=completion.usage.prompt_tokens,
-                          completion_tokens=completion.usage.completion_tokens,
-                          cached_tokens=completion.usage.cached_tokens, estimated=completion.usage.estimated)
-        with fenced(ctx):
-            AgentMessage.objects.update_or_create(task_id=ctx.task_id, key=f"{ctx.step_id}:g{ctx.generation}",
-                                                  defaults={
-                "turn": turn, "order": 0, "role": AgentMessage.Role.ASSISTANT, "content": completion.content,
-                "reasoning": completion.reasoning, "tool_calls": calls, "prompt_tokens": completion.usage.prompt_tokens,
-                "completion_tokens": completion.usage.completion_tokens, "cost": cost,
-                "tokens_estimated": completion.usage.estimated, "step_id": ctx.step_id, "generation": ctx.generation})
+                          completion_tokens=completion.usage.completion_tokens, cost=cost,
+                          tokens_estimated=completion.usage.estimated, step_id=ctx.step_id,
+                          generation=ctx.generation)
         if calls:
             steps = [StepSpec(c["step"], title=f"{c['name']} ({c['id']})", depends_on=(ctx.step_id,)) for c in calls]
             before_next = tuple(s.id for s in steps)
@@ -538,13 +542,12 @@ class PlanExecuteAgent(TaskType):
 
     def _write_opening(self, ctx) -> None:
         p = ctx.params
-        for key, order, role, content in (("system", 0, AgentMessage.Role.SYSTEM,
-                                            p.system_prompt or DEFAULT_SYSTEM_PROMPT),
-                                           ("goal", 1, AgentMessage.Role.USER, p.goal)):
-            with fenced(ctx):
-                AgentMessage.objects.update_or_create(task_id=ctx.task_id, key=f"{key}:g{ctx.generation}", defaults={
-                    "turn": 0, "order": order, "role": role, "content": content, "step_id": ctx.step_id,
-                    "generation": ctx.generation})
+        with fenced(ctx):
+            for key, order, role, content in (("system", 0, AgentMessage.Role.SYSTEM,
+                                                p.system_prompt or DEFAULT_SYSTEM_PROMPT),
+                                               ("goal", 1, AgentMessage.Role.USER, p.goal)):
+                history.write(ctx.task_id, f"{key}:g{ctx.generation}", turn=0, order=order, role=role,
+                              content=content, step_id=ctx.step_id, generation=ctx.generation)
 
     def _history(self, ctx, turn: int, *, include_reasoning: bool = False) -> list[dict]:
         """The request's messages, every dangling tool call answered from the durable record;
@@ -625,14 +628,15 @@ class PlanExecuteAgent(TaskType):
                 ok, result = False, f"rejected by the reviewer: {decision.get('note') or 'no reason given'}"
         else:
             ok, result = toolbox.call(ctx, call["name"], call["arguments"], granted)
-        # A reviewer's decision on this call's effect in doubt is what the model reads ("happened: …").
-        text = history.reviewed(ctx.task_id, ctx.step_id, toolbox.as_message_text(result, ref=ctx.step_id))
+        text = toolbox.as_message_text(result, ref=ctx.step_id)
+        if started:
+            # A reviewer's decision on this call's effect in doubt is what the model reads
+            # ("happened: …"); only an intent an earlier run left can have been reviewed.
+            text = history.reviewed(ctx.task_id, ctx.step_id, text)
         with fenced(ctx):
-            AgentMessage.objects.update_or_create(task_id=ctx.task_id, key=f"{ctx.step_id}:g{ctx.generation}",
-                                                  defaults={
-                "turn": turn, "order": index, "role": AgentMessage.Role.TOOL, "content": text,
-                "tool_call_id": call["id"], "name": call["name"], "step_id": ctx.step_id,
-                "generation": ctx.generation})
+            history.write(ctx.task_id, f"{ctx.step_id}:g{ctx.generation}", turn=turn, order=index,
+                          role=AgentMessage.Role.TOOL, content=text, tool_call_id=call["id"], name=call["name"],
+                          step_id=ctx.step_id, generation=ctx.generation)
         return {"tool_call_id": call["id"], "name": call["name"], "ok": ok, "result": result}
 
 
@@ -761,8 +765,10 @@ class _PageStream:
         self.attempt.content += text
         self.attempt.reasoning += reasoning
         self.attempt.completion_tokens = estimate_tokens(len(self.attempt.content) + len(self.attempt.reasoning))
-        with fenced(self.ctx):  # one commit: the kept text and the piece sent to the page
+        # One commit: the piece sent to the page (its event fenced by the lease, the task row
+        # locked) and the kept text.
+        with transaction.atomic():
+            self.ctx.progress("agent.stream", turn=self.turn, text=text, **({"reasoning": reasoning} if reasoning else {}))
             AgentMessage.objects.filter(pk=self.attempt.pk).update(content=self.attempt.content,
                                                                    reasoning=self.attempt.reasoning,
                                                                    completion_tokens=self.attempt.completion_tokens)
-            self.ctx.progress("agent.stream", turn=self.turn, text=text, **({"reasoning": reasoning} if reasoning else {}))
