@@ -13,7 +13,7 @@ rollback re-runs a turn, what the earlier run said is history no more.
 """
 from django.db.models import Exists, Max, OuterRef, Q
 
-from ..models import AgentMessage, Step, WalEntry, WalStatus
+from ..models import AgentMessage, Step, Task, WalEntry, WalStatus
 from . import compaction
 from .compaction import review_of
 
@@ -221,7 +221,20 @@ def latest_turn(task_id: int) -> int:
 def superseded(task_id: int, turn: int) -> bool:
     """A user message arrived after turn `turn` was answered: its calls not yet started are
     superseded (the model decides again with the message in view)."""
+    return AgentMessage.objects.filter(_superseding(task_id, turn)).exists()
+
+
+def call_state(task_id: int, step_id: str, turn: int) -> tuple[bool, bool]:
+    """Of a tool call's step, in one query: whether an earlier run of it left a WAL intent
+    (started), and whether its turn's calls are superseded."""
+    found = (Task.objects.filter(pk=task_id).values_list(
+        Exists(WalEntry.objects.filter(task_id=task_id, step_id=step_id)),
+        Exists(AgentMessage.objects.filter(_superseding(task_id, turn)))).first())
+    return (bool(found[0]), bool(found[1])) if found else (False, False)
+
+
+def _superseding(task_id: int, turn: int) -> Q:
+    """The user messages that supersede turn `turn`'s calls: sent after its answer."""
     answer = (AgentMessage.objects.filter(task_id=task_id, role=AgentMessage.Role.ASSISTANT, turn=turn,
                                           interrupted=False).order_by("-id").values("id")[:1])
-    return AgentMessage.objects.filter(task_id=task_id, role=AgentMessage.Role.USER, turn__gte=turn,
-                                       order__gte=USER_ORDER, id__gt=answer).exists()
+    return Q(task_id=task_id, role=AgentMessage.Role.USER, turn__gte=turn, order__gte=USER_ORDER, id__gt=answer)

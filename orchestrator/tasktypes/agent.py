@@ -34,7 +34,7 @@ from ..engine.approvals import Policy
 from ..engine import llm_ledger
 from ..llm import LLMCancelled, LLMContextExceeded, LLMResponseGone, LLMStreamCut, profiles
 from ..llm.client import estimate_prompt_tokens, estimate_tokens
-from ..models import AgentMessage, WalEntry
+from ..models import AgentMessage
 from ..primitives.faults import fault_point
 from ..roles import is_admin
 from . import register
@@ -604,13 +604,13 @@ class PlanExecuteAgent(TaskType):
     # --- a tool call ----------------------------------------------------------------------
     def _tool_call(self, ctx, turn: int, index: int):
         call = ctx.deps[turn_id(turn)]["tool_calls"][index - 1]
-        started = WalEntry.objects.filter(task_id=ctx.task_id, step_id=ctx.step_id).exists()
+        started, superseded = history.call_state(ctx.task_id, ctx.step_id, turn)
         arguments = _as_object(call["arguments"])
         p = ctx.params
         granted = _granted(p)  # each <server>__* as that server's tools now, and result_read
         gate = (toolbox.needs_approval(call["name"], arguments, require=p.require_approval, waived=p.approval_waived)
                 if call["name"] in granted else "")
-        if not started and history.superseded(ctx.task_id, turn):
+        if not started and superseded:
             ok, result = False, history.SUPERSEDED
         elif gate:
             # A reviewer decides in the review queue; the task waits holding no worker. (After a
