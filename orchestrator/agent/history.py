@@ -33,6 +33,12 @@ def current(task_id: int, rows=None):
     return list(rows.filter(Q(step_id="") | written_by_current_run).order_by("turn", "order", "id"))
 
 
+def write_with_step(ctx, key: str, **fields) -> None:
+    """A dialog row of `ctx`'s step by its key, written by the step's checkpoint, in its
+    transaction (ctx.write_at_commit): a step that does not commit leaves none of it."""
+    ctx.write_at_commit(AgentMessage, unique=("task", "key"), task_id=ctx.task_id, key=key, **fields)
+
+
 def write(task_id: int, key: str, **fields) -> None:
     """A dialog row by its key, inserted or overwritten in one statement (INSERT … ON CONFLICT):
     a step that runs again writes its own row again. Inside the caller's fenced transaction."""

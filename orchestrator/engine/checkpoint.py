@@ -25,7 +25,7 @@ from ..conf import harness
 from ..outage import retry_while_down
 from ..models import InboundEvent, InboundState, Step, StepResult, StepStatus, Task, TaskStatus
 from . import at_commit as effects_at_commit, commit_statement, compat, events, inbox_counter, snapshots, states, \
-    step_rows, wal
+    rows_at_commit, step_rows, wal
 from .commit_statement import StepCommit
 from .events import create_event, cross_process_layer, publish_hint
 from ..primitives.faults import armed as armed_faults, fault_point
@@ -55,14 +55,14 @@ def save_snapshot(task: Task, state: dict, step_id: str = "") -> None:
 def commit_step(*, lease: Lease, plan: PlanState, step_id: str, result: Any, reads: list[str],
                 effects: list[wal.CompletedEffect], started_at: datetime, tokens_used: int = 0,
                 active_seconds: float = 0.0, added: list | None = None, consumed: dict | None = None,
-                ends_wait: bool = False, at_commit: list | None = None) -> int:
+                ends_wait: bool = False, at_commit: list | None = None, rows: list | None = None) -> int:
     """Commit a finished step; returns the new checkpoint version. Raises LeaseLost, and
     FailedAtCommit when the database refused an effect written with it (`at_commit`).
 
     `plan` changes only once the commit is durable (a rolled-back commit leaves it as it was)."""
     fault_point("before_checkpoint", step_id)
     commit = StepCommit(step_id, result, reads, effects, started_at, tokens_used, active_seconds, list(added or ()),
-                        dict(consumed or {}), ends_wait, list(at_commit or ()))
+                        dict(consumed or {}), ends_wait, list(at_commit or ()), list(rows or ()))
     if commit.added:
         plan.validate_growth(step_id, commit.added)
     # The step's work (and its effects) happened: keep it until the database is back rather
@@ -115,6 +115,7 @@ def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
             row = commit_statement.sqlite(lease, plan, commit, None if apart else encoded, now)
         if row is None:
             return _unfenced(lease, plan, commit)
+        rows_at_commit.write_in_transaction(commit.rows)
         if apart:
             StepResult.objects.update_or_create(task_id=lease.task_id, step_id=commit.step_id,
                                                 defaults={"data": commit.result})

@@ -11,7 +11,7 @@ from django.db import connection
 
 from ..conf import harness
 from ..models import IdempotencyRecord, Snapshot, Step, Task, TaskEvent, WalEntry
-from . import at_commit, events, wal
+from . import at_commit, events, rows_at_commit, wal
 from .events import NOTIFY_CHANNEL
 from .lease import Lease
 from .plan_state import PlanState
@@ -33,6 +33,7 @@ class StepCommit:
     consumed: dict = field(default_factory=dict)  # inbox event id -> outcome (taken by ctx.wait_for)
     ends_wait: bool = False  # the step had waited: its entry leaves Task.waiting_for
     at_commit: list = field(default_factory=list)  # effects written by this commit (engine/at_commit.py)
+    rows: list = field(default_factory=list)  # the step's own rows written by it (engine/rows_at_commit.py)
 
 
 TABLES = {name: model._meta.db_table for name, model in (
@@ -99,8 +100,9 @@ _HEAD, _TAIL = _POSTGRESQL_COMMIT.split("\nSELECT checkpoint_version, event_seq"
 
 
 def postgresql(lease, plan, commit, encoded_result, now, *, delta: bool, at_commit_sql: bool = True) -> dict | None:
-    """The commit statement; with `at_commit_sql`, the effects of commit.at_commit written by it
-    too (otherwise the caller wrote them in this transaction); None when the fence fails."""
+    """The commit statement; with `at_commit_sql`, the effects of commit.at_commit and the rows of
+    commit.rows written by it too (otherwise the caller writes them in this transaction); None
+    when the fence fails."""
     parameters = _commit_parameters(lease, plan, commit, encoded_result, now)
     parameters.update(delta=delta, channel=NOTIFY_CHANNEL,
                       # An effect recorded only by this commit needs it on disk; a step whose
@@ -109,15 +111,21 @@ def postgresql(lease, plan, commit, encoded_result, now, *, delta: bool, at_comm
                       or harness.pure_step_sync_commit else "off")
     statement = _POSTGRESQL_COMMIT
     parameters["worker"] = f"{lease.host}:{lease.pid}"  # of WAL entries the statement writes
+    head, more = _HEAD, ""
     if commit.at_commit and at_commit_sql:
-        effects, values = at_commit.sql(commit.at_commit)
+        more, values = at_commit.sql(commit.at_commit)
         values["effects"] = wal.done_parameter(commit.effects, at_commit.records(commit.at_commit))
         # The fence also refuses a key an earlier execution recorded (at_commit.RecordedEarlier).
         head = _HEAD.replace(_VERSION_FENCE, _VERSION_FENCE + f" AND NOT EXISTS (SELECT 1 FROM {TABLES['wal']} "
                              f"WHERE idempotency_key = ANY(%(at_commit_keys)s::text[]))", 1)
-        statement = head + effects + "\nSELECT checkpoint_version, event_seq" + _TAIL
         values["at_commit_keys"] = [e.key for e in commit.at_commit]
         parameters.update(values)
+    if commit.rows and at_commit_sql:
+        rows, values = rows_at_commit.sql(commit.rows)
+        more += rows
+        parameters.update(values)
+    if more:
+        statement = head + more + "\nSELECT checkpoint_version, event_seq" + _TAIL
     with prepared_cursor() as cursor:
         cursor.execute(statement, parameters)
         row = cursor.fetchone()

@@ -16,7 +16,7 @@ from .. import telemetry
 from ..tools.http import http_call
 from ..tools.llm import stream_completion
 from ..tools.process_groups import run_in_group
-from . import approvals, at_commit as effects_at_commit, inbox, wal
+from . import approvals, at_commit as effects_at_commit, inbox, rows_at_commit, wal
 from ..primitives.cancellation import CancellationToken
 from .lease import Lease
 from .events import append_event
@@ -84,6 +84,8 @@ class StepContext:
         # performed in place, after such a checkpoint was refused (engine/at_commit.py).
         self.at_commit: list[effects_at_commit.EffectAtCommit] = []
         self.defer_effects = defer_effects
+        # Rows of the step's own record, written by its checkpoint (write_at_commit).
+        self.rows_at_commit: list[rows_at_commit.RowAtCommit] = []
         # Steps this step adds to the plan: committed with its checkpoint, so a crash
         # before it leaves none of them and the re-run adds them again.
         self.added_steps: list = []
@@ -123,6 +125,13 @@ class StepContext:
         finally:
             with self._lock:
                 self.unsafe_effects_in_flight -= unsafe
+
+    def write_at_commit(self, model, *, unique: tuple[str, ...], **values) -> None:
+        """A row of the step's own record (an agent's tool result in its dialog), inserted or
+        updated on `unique` by the step's checkpoint, in its transaction (engine/rows_at_commit.py):
+        nothing of it is written if the step does not commit."""
+        with self._lock:
+            rows_at_commit.keep(self.rows_at_commit, rows_at_commit.RowAtCommit(model, tuple(unique), values))
 
     def cut(self, reason: str) -> bool:
         """Cancel the step unless a non-idempotent effect of it is in flight (cutting that

@@ -33,7 +33,7 @@ from .. import telemetry
 from ..conf import harness
 from ..models import TaskStatus
 from ..tools import mcp
-from . import processes
+from . import processes, step_threads
 from .lease import LEASE_LOST, Lease
 from .runner import Runner
 
@@ -256,7 +256,8 @@ def _threads_ended(own_threads: set, lease: Lease) -> bool:
     """Whether every thread the run started has ended (within THREADS_END_WITHIN_SECONDS)."""
     deadline = time.monotonic() + THREADS_END_WITHIN_SECONDS
     while True:
-        left = [t for t in threading.enumerate() if t not in own_threads and t.is_alive()]
+        kept = step_threads.kept_threads()  # the step pool kept for the next run (engine/step_threads.py)
+        left = [t for t in threading.enumerate() if t not in own_threads and t not in kept and t.is_alive()]
         if not left:
             return True
         if time.monotonic() > deadline:

@@ -158,7 +158,8 @@ def commit_result(state: RunState, flight: InFlight, result) -> None:
             lease=state.lease, plan=state.plan, step_id=step_id, result=result,
             reads=ctx.params.keys_read, effects=ctx.completed_effects, started_at=flight.started_at,
             tokens_used=ctx.tokens_used, active_seconds=state.take_active_seconds(), added=ctx.added_steps,
-            consumed=ctx.consumed_events, ends_wait=step_id in state.waits, at_commit=ctx.at_commit)
+            consumed=ctx.consumed_events, ends_wait=step_id in state.waits, at_commit=ctx.at_commit,
+            rows=ctx.rows_at_commit)
     except at_commit.RecordedEarlier:
         # Not a failure: the step runs again at once, its effects in place (the recorded result).
         log.info("an effect at commit was recorded by an earlier execution: the step runs again", extra=extra)

@@ -10,18 +10,18 @@ was lost, or the time slice is used up (the task re-enqueues itself and any work
 continues it from its checkpoint).
 """
 import logging
-import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from django.db import close_old_connections, connection, transaction
+from django.db import close_old_connections, transaction
 from django.utils import timezone
 
 from .. import telemetry
 from ..conf import harness
 from ..models import Step, StepStatus, Task
 from ..outage import retry_while_down
-from . import checkpoint, consumption, finishing, inbox, lease as leases, preemption, results, run_gate, step_limits
+from . import checkpoint, consumption, finishing, inbox, lease as leases, preemption, results, run_gate, step_limits, \
+    step_threads
 from .context import StepContext
 from .events import append_event
 from .lease import LEASE_LOST, Lease, LeaseLost
@@ -31,26 +31,6 @@ from .run_state import PREEMPTED, InFlight, RunState
 from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
-
-
-def close_thread_connections(pool: ThreadPoolExecutor) -> None:
-    """Close the database connection each pool thread opened (Django connections are
-    per thread; a long-lived worker process must not leak one per task run). The barrier
-    makes every thread take exactly one close job."""
-    threads = len(getattr(pool, "_threads", ()))
-    if not threads:
-        return
-    barrier = threading.Barrier(threads)
-
-    def close():
-        connection.close()
-        try:
-            barrier.wait(timeout=5)
-        except threading.BrokenBarrierError:
-            pass
-
-    for future in [pool.submit(close) for _ in range(threads)]:
-        future.result(timeout=10)
 
 
 def acknowledge(lease: Lease, control: str) -> None:
@@ -156,16 +136,13 @@ class Runner:
         # held in memory); those of the latest steps stay cached for their dependants.
         state.results = results.ResultCache(task.pk)
         supervisor = self.start_supervisor(task)
-        pool = ThreadPoolExecutor(max_workers=max(1, int(state.limits["max_subtasks"])),
-                                  thread_name_prefix=f"task-{task.pk}-step")
+        size = max(1, int(state.limits["max_subtasks"]))
+        pool = step_threads.take(size)  # kept between runs: its threads' connections stay open
         try:
             self.loop(pool)
         finally:
             supervisor.stop()
-            abandon = state.control == "terminate" or state.escalated
-            if not abandon:
-                close_thread_connections(pool)
-            pool.shutdown(wait=not abandon, cancel_futures=True)
+            step_threads.give_back(pool, size, abandon=state.control == "terminate" or state.escalated)
         return finishing.finish(state)
 
     def start_supervisor(self, task: Task) -> Supervisor:

@@ -633,10 +633,10 @@ class PlanExecuteAgent(TaskType):
             # A reviewer's decision on this call's effect in doubt is what the model reads
             # ("happened: …"); only an intent an earlier run left can have been reviewed.
             text = history.reviewed(ctx.task_id, ctx.step_id, text)
-        with fenced(ctx):
-            history.write(ctx.task_id, f"{ctx.step_id}:g{ctx.generation}", turn=turn, order=index,
-                          role=AgentMessage.Role.TOOL, content=text, tool_call_id=call["id"], name=call["name"],
-                          step_id=ctx.step_id, generation=ctx.generation)
+        # Its row in the dialog commits with the step (no transaction of its own).
+        history.write_with_step(ctx, f"{ctx.step_id}:g{ctx.generation}", turn=turn, order=index,
+                                role=AgentMessage.Role.TOOL, content=text, tool_call_id=call["id"], name=call["name"],
+                                step_id=ctx.step_id, generation=ctx.generation)
         return {"tool_call_id": call["id"], "name": call["name"], "ok": ok, "result": result}
 
 

@@ -41,6 +41,19 @@ def step_context(task: Task, step_id: str, lease, deps=None) -> StepContext:
                        token=CancellationToken())
 
 
+def run_tool_step_and_commit_its_rows(ctx: StepContext) -> None:
+    """A tool call's step, then what its checkpoint writes of the rows it kept for it
+    (ctx.write_at_commit), fenced on its lease as the checkpoint is (engine/checkpoint.py)."""
+    from django.db import transaction
+
+    from orchestrator.engine import rows_at_commit
+
+    PlanExecuteAgent().run_step(ctx, ctx.step_id)
+    with transaction.atomic():
+        leases.hold_fenced(ctx.lease)
+        rows_at_commit.write_in_transaction(ctx.rows_at_commit)
+
+
 def pending_email_intent(task: Task) -> WalEntry:
     return WalEntry.objects.create(task=task, step_id="tool-001-1", call_index=0, tool="email.send", args=EMAIL_ARGS,
                                    idempotency_key=wal.idempotency_key(task.pk, "tool-001-1", 0), idempotent=False,
@@ -125,13 +138,14 @@ def test_a_runner_whose_lease_was_taken_cannot_write_or_overwrite_a_dialog_row(m
     assert new is not None and new.epoch > old.epoch
     deps = {"turn-001": {"content": "", "tool_calls": [{"id": "call_a", "name": "contracts_list",
                                                         "arguments": "{}", "step": "tool-001-1"}]}}
-    PlanExecuteAgent().run_step(step_context(task, "tool-001-1", new, deps), "tool-001-1")
+    run_tool_step_and_commit_its_rows(step_context(task, "tool-001-1", new, deps))
     [row] = AgentMessage.objects.filter(task=task)
     written = (row.pk, row.content)
-    # The zombie runs the same call (its own view of the result) and its turn 1 again.
+    # The zombie runs the same call (its own view of the result) and its turn 1 again: the tool
+    # call's row is written with the step's checkpoint, whose fence refuses the zombie.
     monkeypatch.setattr(toolbox, "call", lambda ctx, name, arguments, allowed: (True, "the zombie's view"))
     with pytest.raises(leases.LeaseLost):
-        PlanExecuteAgent().run_step(step_context(task, "tool-001-1", old, deps), "tool-001-1")
+        run_tool_step_and_commit_its_rows(step_context(task, "tool-001-1", old, deps))
     seen = len(model.requests)
     with pytest.raises(leases.LeaseLost):
         PlanExecuteAgent().run_step(step_context(task, "turn-001", old), "turn-001")

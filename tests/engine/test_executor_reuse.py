@@ -96,6 +96,17 @@ def test_a_run_that_left_a_thread_running_retires_its_executor():
     assert not processes.alive(ran_on(leaving)["pid"])
 
 
+def test_a_run_whose_steps_ran_in_parallel_leaves_its_executor_reusable():
+    """The step pool a run gives back is kept for the next run (engine/step_threads.py): its
+    idle threads are not threads the run left running."""
+    before = session_task()
+    parallel = services.task_create(type="test.growing", params={"items": 3}, limits={"max_subtasks": 3})
+    after = session_task()
+    assert run_all([["run", before.pk], ["run", parallel.pk], ["run", after.pk]]) == ["executor finished"] * 3
+    assert Task.objects.get(pk=parallel.pk).status == "completed"
+    assert ran_on(after)["pid"] == ran_on(before)["pid"], "the executor retired after a run with parallel steps"
+
+
 def stubborn_then_another(end_it, mode: str = "ignore_token") -> tuple[int, list[str], Task]:
     """A worker runs a step deaf to cancellation (or, with mode "sleep", one that obeys it), then
     another task; `end_it(stubborn, executor)` ends the first run mid-step. Returns the first run's

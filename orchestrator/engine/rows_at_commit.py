@@ -1,0 +1,69 @@
+"""Rows a step keeps with its checkpoint: `ctx.write_at_commit(model, unique=..., **values)`.
+
+A step's own record of what it did (an agent's tool result in its dialog) need not be a fenced
+transaction of its own before the step's checkpoint (BEGIN, the fence's read, the write,
+COMMIT): written by the checkpoint, in its transaction — on PostgreSQL as a common table
+expression of the one commit statement, fenced on its `t` — it costs no round trip, and a step
+that does not commit (it raised, its lease went, the process died) leaves none of it; its next
+run writes it again. Each row is an INSERT … ON CONFLICT (unique) DO UPDATE of the values given;
+a column not given takes its model default on insert and is left as it is on update.
+"""
+from dataclasses import dataclass
+from functools import lru_cache
+
+from django.db import connection
+
+
+@dataclass(frozen=True)
+class RowAtCommit:
+    model: type
+    unique: tuple[str, ...]  # field names of a unique constraint of the model
+    values: dict  # field name -> value
+
+    def same_row(self, other: "RowAtCommit") -> bool:
+        return (self.model is other.model and self.unique == other.unique
+                and all(self.values.get(name) == other.values.get(name) for name in self.unique))
+
+
+def keep(pending: list[RowAtCommit], row: RowAtCommit) -> None:
+    """Add `row` to a step's rows; one the step wrote before under the same key is replaced
+    (one statement cannot write a row twice)."""
+    pending[:] = [r for r in pending if not r.same_row(row)] + [row]
+
+
+def write_in_transaction(rows: list[RowAtCommit]) -> None:
+    """In the checkpoint's transaction, after its fence held (SQLite, or a PostgreSQL commit of
+    more than one statement)."""
+    for row in rows:
+        row.model.objects.bulk_create([row.model(**row.values)], update_conflicts=True, unique_fields=list(row.unique),
+                                      update_fields=[name for name in row.values if name not in row.unique])
+
+
+def sql(rows: list[RowAtCommit]) -> tuple[str, dict]:
+    """The rows as common table expressions of the PostgreSQL commit statement (after its
+    others, hence the leading comma), each fenced on its `t`."""
+    parts, params = [], {}
+    for index, row in enumerate(rows):
+        prefix = f"rc{index}_"
+        text, fields = _statement(row.model, tuple(row.values), row.unique, prefix)
+        parts.append(f", rc{index} AS ({text})")
+        instance = row.model(**row.values)
+        params.update({f"{prefix}{i}": field.get_db_prep_save(field.pre_save(instance, True), connection)
+                       for i, field in enumerate(fields)})
+    return "".join(parts), params
+
+
+@lru_cache(maxsize=64)
+def _statement(model, names: tuple[str, ...], unique: tuple[str, ...], prefix: str) -> tuple[str, list]:
+    """The upsert of one row of this shape (built once per shape: the commit statement stays
+    one prepared statement) and its fields in parameter order. Each value is cast to its
+    column's type: in INSERT ... SELECT the server cannot infer it."""
+    meta, quote = model._meta, connection.ops.quote_name
+    fields = [f for f in meta.concrete_fields if not f.primary_key]
+    given = {meta.get_field(name).attname for name in names} - {meta.get_field(name).attname for name in unique}
+    values = ", ".join(f"%({prefix}{i})s::{f.cast_db_type(connection)}" for i, f in enumerate(fields))
+    updates = ", ".join(f"{quote(f.column)} = EXCLUDED.{quote(f.column)}" for f in fields if f.attname in given)
+    conflict = ", ".join(quote(meta.get_field(name).column) for name in unique)
+    return (f"INSERT INTO {quote(meta.db_table)} ({', '.join(quote(f.column) for f in fields)}) "
+            f"SELECT {values} WHERE EXISTS (SELECT 1 FROM t) "
+            f"ON CONFLICT ({conflict}) DO " + (f"UPDATE SET {updates}" if updates else "NOTHING")), fields

@@ -1,0 +1,76 @@
+"""The threads a run's parallel steps run on, kept between the runs of this process.
+
+Each thread of a run's pool opens its own database connection at its first query (Django's are
+per thread): ~4 ms on a quiet machine, 10–20 ms beside the run's other threads, for every
+thread of every run (bench/agent.py: an agent's tool calls of one turn run side by side; a new
+pool per run was ~1.5 ms of its overhead per step). So a run takes a pool of its size and gives
+it back at its end, and the next run of that size in this process gets its threads with their
+connections open (PostgreSQL's are health-checked before use, CONN_HEALTH_CHECKS; SQLite's are
+not kept, CONN_MAX_AGE 0).
+
+A run that abandons its steps (a Force-terminate; steps that ignored their cancellation) does
+not give its pool back: its threads may still be busy. Threads do not survive a fork, so a
+forked executor never takes its parent's pools (they are kept per process id).
+"""
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from django.db import connection
+
+# Idle pools kept per size: one per run going on at once in this process is enough to reuse;
+# past that a pool given back is closed (its connections too).
+IDLE_POOLS_KEPT = 2
+
+_lock = threading.Lock()
+_idle: dict[tuple[int, int], list[ThreadPoolExecutor]] = {}
+
+
+def take(size: int) -> ThreadPoolExecutor:
+    """A pool of `size` threads for one run: an idle one of this process, or a new one."""
+    with _lock:
+        idle = _idle.get((os.getpid(), size))
+        if idle:
+            return idle.pop()
+    return ThreadPoolExecutor(max_workers=size, thread_name_prefix="step")
+
+
+def give_back(pool: ThreadPoolExecutor, size: int, *, abandon: bool) -> None:
+    """The run's end: its pool kept for the next run, or (abandoned, or enough kept) shut down."""
+    if abandon:
+        pool.shutdown(wait=False, cancel_futures=True)
+        return
+    with _lock:
+        idle = _idle.setdefault((os.getpid(), size), [])
+        if len(idle) < IDLE_POOLS_KEPT:
+            idle.append(pool)
+            return
+    close_thread_connections(pool)
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def kept_threads() -> set[threading.Thread]:
+    """The threads of this process's idle pools: waiting for the next run, not left running by
+    the last one (an executor that finds other threads alive after a run retires)."""
+    with _lock:
+        return {thread for (pid, _), pools in _idle.items() if pid == os.getpid()
+                for pool in pools for thread in getattr(pool, "_threads", ())}
+
+
+def close_thread_connections(pool: ThreadPoolExecutor) -> None:
+    """Close the database connection each pool thread opened (a long-lived worker process must
+    not leak one per pool). The barrier makes every thread take exactly one close job."""
+    threads = len(getattr(pool, "_threads", ()))
+    if not threads:
+        return
+    barrier = threading.Barrier(threads)
+
+    def close():
+        connection.close()
+        try:
+            barrier.wait(timeout=5)
+        except threading.BrokenBarrierError:
+            pass
+
+    for future in [pool.submit(close) for _ in range(threads)]:
+        future.result(timeout=10)

@@ -1,0 +1,120 @@
+"""Rows a step keeps with its checkpoint (ctx.write_at_commit, engine/rows_at_commit.py): written
+by the step's commit, in its transaction — on PostgreSQL inside the one commit statement — so a
+step that does not commit leaves none of them, and its next run writes them again."""
+import threading
+
+import pytest
+from django.db import connections
+from django.db.backends.signals import connection_created
+
+from orchestrator.engine import services
+from orchestrator.engine.worker import drive_inline
+from orchestrator.models import AgentMessage, Task
+from tests.support.testtypes import Diamond
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def types(settings):
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+
+
+def note(ctx, key: str, content: str, **more):
+    ctx.write_at_commit(AgentMessage, unique=("task", "key"), task_id=ctx.task_id, key=key, turn=1,
+                        role=AgentMessage.Role.TOOL, content=content, step_id=ctx.step_id, **more)
+
+
+def rows(task) -> dict[str, tuple]:
+    return {m.key: (m.content, m.name, m.step_id) for m in AgentMessage.objects.filter(task=task)}
+
+
+def test_rows_land_with_their_steps_checkpoint_and_a_later_write_of_a_key_updates_only_what_it_gives(monkeypatch):
+    seen_before_commit = {}
+
+    def run_step(self, ctx, step_id):
+        if step_id == "a":
+            note(ctx, "k1", "draft", name="first")
+            note(ctx, "k1", "final", name="kept")  # the same key again in the step: the last write wins
+            note(ctx, "k2", "other")
+            seen_before_commit["a"] = AgentMessage.objects.filter(task_id=ctx.task_id).exists()
+        if step_id == "b":
+            # A later step overwrites k1's content; `name`, not given, stays as it was.
+            ctx.write_at_commit(AgentMessage, unique=("task", "key"), task_id=ctx.task_id, key="k1", turn=1,
+                                role=AgentMessage.Role.TOOL, content="by b")
+        return step_id
+
+    monkeypatch.setattr(Diamond, "run_step", run_step)
+    task = services.task_create(type="test.diamond", params={})
+    assert drive_inline(task.pk) == "completed"
+    assert seen_before_commit == {"a": False}  # nothing is written before the step's checkpoint
+    assert rows(task) == {"k1": ("by b", "kept", "a"), "k2": ("other", "", "a")}
+
+
+def test_a_step_that_fails_after_writing_leaves_no_row_and_its_retry_writes_it(monkeypatch):
+    attempts = []
+
+    def run_step(self, ctx, step_id):
+        if step_id == "a":
+            attempts.append(AgentMessage.objects.filter(task_id=ctx.task_id, key="k1").exists())
+            note(ctx, "k1", f"attempt {len(attempts)}")
+            if len(attempts) == 1:
+                raise ConnectionError("upstream timed out")  # after the write: the step does not commit
+        return step_id
+
+    monkeypatch.setattr(Diamond, "run_step", run_step)
+    task = services.task_create(type="test.diamond", params={})
+    assert drive_inline(task.pk) == "completed", Task.objects.get(pk=task.pk).status_reason
+    assert attempts == [False, False]  # the failed attempt left no row for its retry to find
+    assert rows(task) == {"k1": ("attempt 2", "", "a")}
+
+
+def test_a_step_whose_lease_was_taken_writes_no_row(monkeypatch):
+    def run_step(self, ctx, step_id):
+        note(ctx, f"row-{step_id}", "written by a worker that lost its lease")
+        if step_id == "a":  # another worker claimed the task meanwhile
+            Task.objects.filter(pk=ctx.task_id).update(lease_epoch=ctx.lease.epoch + 1)
+        return step_id
+
+    monkeypatch.setattr(Diamond, "run_step", run_step)
+    task = services.task_create(type="test.diamond", params={}, limits={"max_subtasks": 1})
+    assert drive_inline(task.pk) == "lease lost"
+    assert not AgentMessage.objects.filter(task=task, key="row-a").exists()
+
+
+def test_on_postgresql_the_rows_are_part_of_the_one_commit_statement(monkeypatch):
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's one commit statement (SQLite writes them in the commit's transaction)")
+    statements, lock = [], threading.Lock()
+
+    def wrapper(execute, sql, params, many, context):
+        with lock:
+            statements.append(sql)
+        return execute(sql, params, many, context)
+
+    def attach(sender=None, connection=None, **kwargs):
+        if wrapper not in connection.execute_wrappers:
+            connection.execute_wrappers.append(wrapper)
+
+    def run_step(self, ctx, step_id):
+        if step_id == "d":
+            note(ctx, "k", "with the checkpoint")
+        return step_id
+
+    monkeypatch.setattr(Diamond, "run_step", run_step)
+    task = services.task_create(type="test.diamond", params={}, limits={"max_subtasks": 1})
+    connection_created.connect(attach)
+    for open_connection in connections.all():
+        attach(connection=open_connection)
+    try:
+        assert drive_inline(task.pk) == "completed"
+    finally:
+        connection_created.disconnect(attach)
+        for open_connection in connections.all():
+            if wrapper in open_connection.execute_wrappers:
+                open_connection.execute_wrappers.remove(wrapper)
+    touching = [s for s in statements if '"orchestrator_agentmessage"' in s]
+    assert len(touching) == 1 and "UPDATE orchestrator_step SET status = 'done'" in touching[0], touching
+    assert rows(task) == {"k": ("with the checkpoint", "", "d")}
