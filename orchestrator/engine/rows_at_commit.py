@@ -20,15 +20,25 @@ class RowAtCommit:
     unique: tuple[str, ...]  # field names of a unique constraint of the model
     values: dict  # field name -> value
 
-    def same_row(self, other: "RowAtCommit") -> bool:
-        return (self.model is other.model and self.unique == other.unique
-                and all(self.values.get(name) == other.values.get(name) for name in self.unique))
+    def key(self) -> tuple:
+        """The row's unique values (a foreign key given by its `<name>_id` too)."""
+        meta = self.model._meta
+        return (self.model, self.unique, tuple(self.values.get(name, self.values.get(meta.get_field(name).attname))
+                                               for name in self.unique))
+
+    def updated_fields(self) -> list[str]:
+        """What an existing row takes of the values: all but its unique ones."""
+        unique = {self.model._meta.get_field(name).attname for name in self.unique}
+        return [name for name in self.values if self.model._meta.get_field(name).attname not in unique]
 
 
 def keep(pending: list[RowAtCommit], row: RowAtCommit) -> None:
     """Add `row` to a step's rows; one the step wrote before under the same key is replaced
     (one statement cannot write a row twice)."""
-    pending[:] = [r for r in pending if not r.same_row(row)] + [row]
+    if not row.updated_fields():
+        raise ValueError(f"write_at_commit({row.model.__name__}): give a field besides its unique ones "
+                         f"({', '.join(row.unique)})")
+    pending[:] = [r for r in pending if r.key() != row.key()] + [row]
 
 
 def write_in_transaction(rows: list[RowAtCommit]) -> None:
@@ -36,7 +46,7 @@ def write_in_transaction(rows: list[RowAtCommit]) -> None:
     more than one statement)."""
     for row in rows:
         row.model.objects.bulk_create([row.model(**row.values)], update_conflicts=True, unique_fields=list(row.unique),
-                                      update_fields=[name for name in row.values if name not in row.unique])
+                                      update_fields=row.updated_fields())
 
 
 def sql(rows: list[RowAtCommit]) -> tuple[str, dict]:
@@ -66,4 +76,4 @@ def _statement(model, names: tuple[str, ...], unique: tuple[str, ...], prefix: s
     conflict = ", ".join(quote(meta.get_field(name).column) for name in unique)
     return (f"INSERT INTO {quote(meta.db_table)} ({', '.join(quote(f.column) for f in fields)}) "
             f"SELECT {values} WHERE EXISTS (SELECT 1 FROM t) "
-            f"ON CONFLICT ({conflict}) DO " + (f"UPDATE SET {updates}" if updates else "NOTHING")), fields
+            f"ON CONFLICT ({conflict}) DO UPDATE SET {updates}"), fields

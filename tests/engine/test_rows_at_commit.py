@@ -51,6 +51,15 @@ def test_rows_land_with_their_steps_checkpoint_and_a_later_write_of_a_key_update
     assert rows(task) == {"k1": ("by b", "kept", "a"), "k2": ("other", "", "a")}
 
 
+def test_a_row_with_nothing_but_its_key_is_refused_at_the_call():
+    from orchestrator.engine.context import StepContext
+
+    ctx = StepContext(task_id=1, step_id="a", params=Diamond.Params(), deps={}, lease=None, token=None)
+    with pytest.raises(ValueError, match="give a field besides its unique ones"):
+        ctx.write_at_commit(AgentMessage, unique=("task", "key"), task_id=1, key="k")
+    assert ctx.rows_at_commit == []
+
+
 def test_a_step_that_fails_after_writing_leaves_no_row_and_its_retry_writes_it(monkeypatch):
     attempts = []
 
