@@ -34,7 +34,10 @@ def test_each_step_commit_updates_the_task_row_in_place_on_postgresql():
     updates, hot = (after - before for after, before in zip(_task_updates(), (updates_before, hot_before)))
     # Writing heartbeat_at in the commit makes every one of them a new version in all ~12 indexes
     # (0 HOT); the claim, the status changes and the supervisor's heartbeats are the non-HOT rest.
-    assert hot >= steps, f"{hot} of {updates} task row updates were HOT for {steps} step commits"
+    # HOT is PostgreSQL's best effort: the new version must fit in the row's page, whose dead
+    # versions are pruned only once no snapshot can see them — a read in flight beside the commits
+    # (the supervisor's) can leave the page full for one update (seen once in 200, CI of stop 38).
+    assert hot >= steps * 0.95, f"{hot} of {updates} task row updates were HOT for {steps} step commits"
 
 
 def _per_task_models():
