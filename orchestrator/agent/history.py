@@ -13,6 +13,7 @@ rollback re-runs a turn, what the earlier run said is history no more.
 """
 from django.db.models import Exists, Max, OuterRef, Q
 
+from ..engine import rows_at_commit
 from ..models import AgentMessage, Step, Task, WalEntry, WalStatus
 from . import compaction
 from .compaction import review_of
@@ -33,17 +34,20 @@ def current(task_id: int, rows=None):
     return list(rows.filter(Q(step_id="") | written_by_current_run).order_by("turn", "order", "id"))
 
 
+DIALOG_KEY = ("task", "key")  # AgentMessage's unique constraint: a step's row is found again by it
+
+
 def write_with_step(ctx, key: str, **fields) -> None:
     """A dialog row of `ctx`'s step by its key, written by the step's checkpoint, in its
     transaction (ctx.write_at_commit): a step that does not commit leaves none of it."""
-    ctx.write_at_commit(AgentMessage, unique=("task", "key"), task_id=ctx.task_id, key=key, **fields)
+    ctx.write_at_commit(AgentMessage, unique=DIALOG_KEY, task_id=ctx.task_id, key=key, **fields)
 
 
 def write(task_id: int, key: str, **fields) -> None:
     """A dialog row by its key, inserted or overwritten in one statement (INSERT … ON CONFLICT):
     a step that runs again writes its own row again. Inside the caller's fenced transaction."""
-    AgentMessage.objects.bulk_create([AgentMessage(task_id=task_id, key=key, **fields)], update_conflicts=True,
-                                     unique_fields=["task", "key"], update_fields=list(fields))
+    rows_at_commit.write_in_transaction([rows_at_commit.RowAtCommit(AgentMessage, DIALOG_KEY,
+                                                                    {"task_id": task_id, "key": key, **fields})])
 
 
 def sendable(task_id: int, turn: int) -> tuple[AgentMessage | None, list[AgentMessage]]:
