@@ -11,10 +11,13 @@ after what the model said and before its next answer.
 Only rows of the current generation of the step that wrote them count: after an edit or a
 rollback re-runs a turn, what the earlier run said is history no more.
 """
+from functools import lru_cache
+
+from django.db import connection
 from django.db.models import Exists, Max, OuterRef, Q
 
 from ..engine import rows_at_commit
-from ..models import AgentMessage, Step, Task, WalEntry, WalStatus
+from ..models import AgentMessage, Step, WalEntry, WalStatus
 from . import compaction
 from .compaction import review_of
 
@@ -54,6 +57,9 @@ def sendable(task_id: int, turn: int) -> tuple[AgentMessage | None, list[AgentMe
     """The summary that counts for `turn`'s request, and the current rows not summarised by it
     (read without the summarised ones: a long run's request costs the same at turn 200 as at
     turn 10)."""
+    rows = _current_unless_summarised(task_id, turn)
+    if rows:  # no summary before `turn`: every current row, in one query
+        return None, rows
     summaries = current(task_id, AgentMessage.objects.filter(task_id=task_id, role=AgentMessage.Role.SUMMARY,
                                                              turn__lt=turn, interrupted=False))
     summary = compaction.latest(summaries)
@@ -64,6 +70,28 @@ def sendable(task_id: int, turn: int) -> tuple[AgentMessage | None, list[AgentMe
         Q(turn=0) | Q(turn__gt=of["last_turn"]) | Q(id__gt=of["last_message_id"])
         | Q(interrupted=True, turn__gte=of["last_turn"]))
     return summary, [r for r in current(task_id, rows) if not compaction.hidden_by(summary, r)]
+
+
+def _current_unless_summarised(task_id: int, turn: int) -> list[AgentMessage]:
+    """The task's current rows (as `current`), or none when a summary before `turn` exists (of
+    any generation: sendable then reads what the summary leaves). Written out: every turn of
+    every agent reads it, and the ORM's building of the query and its rows cost ~2.5 ms per
+    turn against ~1 ms this way."""
+    return list(AgentMessage.objects.raw(_current_unless_summarised_sql(),
+                                         [task_id, task_id, task_id, AgentMessage.Role.SUMMARY, turn]))
+
+
+@lru_cache(maxsize=None)
+def _current_unless_summarised_sql() -> str:
+    quote = connection.ops.quote_name
+    message, step = quote(AgentMessage._meta.db_table), quote(Step._meta.db_table)
+    columns = ", ".join(f"m.{quote(f.column)}" for f in AgentMessage._meta.concrete_fields)
+    return (f"SELECT {columns} FROM {message} m WHERE m.task_id = %s "
+            f"AND (m.step_id = '' OR EXISTS (SELECT 1 FROM {step} s WHERE s.task_id = %s AND s.step_id = m.step_id "
+            f"AND s.generation = m.generation)) "
+            f"AND NOT EXISTS (SELECT 1 FROM {message} x WHERE x.task_id = %s AND x.role = %s AND x.turn < %s "
+            f"AND NOT x.interrupted) "
+            f"ORDER BY m.turn, m.{quote('order')}, m.id")
 
 
 def messages_for_turn(task_id: int, turn: int, settled: dict[str, str] | None = None, *,
@@ -236,11 +264,25 @@ def superseded(task_id: int, turn: int) -> bool:
 
 def call_state(task_id: int, step_id: str, turn: int) -> tuple[bool, bool]:
     """Of a tool call's step, in one query: whether an earlier run of it left a WAL intent
-    (started), and whether its turn's calls are superseded."""
-    found = (Task.objects.filter(pk=task_id).values_list(
-        Exists(WalEntry.objects.filter(task_id=task_id, step_id=step_id)),
-        Exists(AgentMessage.objects.filter(_superseding(task_id, turn)))).first())
-    return (bool(found[0]), bool(found[1])) if found else (False, False)
+    (started), and whether its turn's calls are superseded (as `superseded`)."""
+    with connection.cursor() as cursor:
+        cursor.execute(_call_state_sql(), [task_id, step_id, task_id, AgentMessage.Role.USER, turn, USER_ORDER,
+                                           task_id, AgentMessage.Role.ASSISTANT, turn])
+        started, superseded_now = cursor.fetchone()
+    return bool(started), bool(superseded_now)
+
+
+@lru_cache(maxsize=None)
+def _call_state_sql() -> str:
+    """call_state's query, written out: every tool call of every agent runs it, and the ORM's
+    building of its two subqueries cost ~1 ms of Python per call (several beside a turn's other
+    calls on the step pool), against ~0.05 ms for the database."""
+    quote = connection.ops.quote_name
+    wal, message = quote(WalEntry._meta.db_table), quote(AgentMessage._meta.db_table)
+    return (f"SELECT EXISTS (SELECT 1 FROM {wal} WHERE task_id = %s AND step_id = %s), "
+            f"EXISTS (SELECT 1 FROM {message} WHERE task_id = %s AND role = %s AND turn >= %s "
+            f"AND {quote('order')} >= %s AND id > (SELECT id FROM {message} WHERE task_id = %s AND role = %s "
+            f"AND turn = %s AND NOT interrupted ORDER BY id DESC LIMIT 1))")
 
 
 def _superseding(task_id: int, turn: int) -> Q:

@@ -211,6 +211,25 @@ class StepContext:
             return 10**12
         return int(runner.limits["max_tokens"]) - runner.base_tokens - runner.tokens_this_run() - self.tokens_used
 
+    def limit(self, name: str) -> Any:
+        """The task's limit `name` (None when it has none) as this run took it when it started:
+        an operator sets limits only on a paused task (edit, resume), so a run's are its own."""
+        if self._runner is None:
+            from ..models import Task
+
+            return (Task.objects.filter(pk=self.task_id).values_list("limits", flat=True).first() or {}).get(name)
+        return self._runner.limits.get(name)
+
+    def result_of(self, step_id: str) -> Any:
+        """Another step's result (None when it has none): from the run's cache of the latest
+        results, or the database. For a step that finished before this one (a dependency, or
+        one of theirs): a step still running has no result to read."""
+        if self._runner is None:
+            from .results import load
+
+            return load(self.task_id, [step_id]).get(step_id)
+        return self._runner.results.get_many([step_id])[step_id]
+
     def interrupt_requested(self) -> bool:
         """The step should stop what it streams: cancelled (Stop, Terminate, a preempt), or
         an operator asked to pause. A graceful pause lets ordinary steps finish; a step whose

@@ -20,7 +20,7 @@ from decimal import Decimal
 from django.db import transaction
 from django.db.models import Count, Sum
 
-from ..models import AgentMessage, ModelCallAttempt, Task
+from ..models import AgentMessage, ModelCallAttempt
 from .signals import LimitExceeded
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def check_cost(ctx) -> None:
     """Before a model call: raise LimitExceeded("max_cost") when the task's cost reached its
     max_cost (the task pauses; raise max_cost and resume)."""
 
-    limit = (Task.objects.filter(pk=ctx.task_id).values_list("limits", flat=True).first() or {}).get("max_cost")
+    limit = ctx.limit("max_cost")  # a run's limits are fixed while it runs: no query per call
     if limit is None:
         return
     spent = cost_used(ctx.task_id)

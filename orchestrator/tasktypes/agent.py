@@ -366,7 +366,7 @@ class PlanExecuteAgent(TaskType):
         messages = self._history(ctx, turn, include_reasoning=profile.send_reasoning_back)
         with_recall(ctx.task_id, ctx.params, messages)
         offered = offered_tools(ctx.params, messages, profile)
-        return messages, offered, calibrated_prompt_tokens(ctx.task_id, turn, messages, offered)
+        return messages, offered, calibrated_prompt_tokens(ctx, turn, messages, offered)
 
     def _check_window(self, profile, prompt: int) -> None:
         from ..engine.signals import LimitExceeded
@@ -400,7 +400,7 @@ class PlanExecuteAgent(TaskType):
         except history.Unsettled:  # the next turn settles it first; compacting can wait for the turn after
             return {"compacted": False, "reason": "a tool call's effect is still to settle"}
         offered = offered_tools(p, messages, profile)
-        prompt = calibrated_prompt_tokens(ctx.task_id, turn + 1, messages, offered)
+        prompt = calibrated_prompt_tokens(ctx, turn + 1, messages, offered)
         limit = compaction.threshold(profile.context_window, p.max_tokens_per_call)
         if prompt <= limit:
             return {"compacted": False, "prompt_tokens": prompt, "threshold": limit,
@@ -671,16 +671,15 @@ CALIBRATION_BOUNDS = (0.5, 3.0)
 CALIBRATION_MARGIN = 1.05
 
 
-def calibrated_prompt_tokens(task_id: int, turn: int, messages: list[dict], offered: list[dict]) -> int:
+def calibrated_prompt_tokens(ctx, turn: int, messages: list[dict], offered: list[dict]) -> int:
     """The request's prompt in tokens: characters / 4 (no tokenizer to download), scaled by how the
     server counted the previous turn's prompt against the same estimate (its `usage`), with a margin."""
-    from ..engine.results import result_of
-    from ..models import Step
-
     raw = estimate_prompt_tokens(messages, offered)
     factor = 1.0
-    previous = Step.objects.filter(task_id=task_id, step_id=turn_id(turn - 1), status="done").first() if turn > 1 else None
-    usage = (result_of(previous) or {}).get("usage") if previous is not None else None
+    # The previous turn finished before this step started (every turn depends on the one before,
+    # through its tool calls): its result is the run's, read without a query.
+    previous = ctx.result_of(turn_id(turn - 1)) if turn > 1 else None
+    usage = previous.get("usage") if isinstance(previous, dict) else None
     if isinstance(usage, dict) and not usage.get("estimated") and usage.get("prompt") and usage.get("prompt_estimate"):
         factor = min(max(usage["prompt"] / usage["prompt_estimate"], CALIBRATION_BOUNDS[0]), CALIBRATION_BOUNDS[1])
     return math.ceil(raw * factor * CALIBRATION_MARGIN)
