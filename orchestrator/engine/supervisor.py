@@ -6,10 +6,8 @@ import threading
 import time
 
 from django.db import DatabaseError, connection, transaction
-from django.db.models import Exists
 
 from ..conf import harness
-from ..models import Task
 from ..outage import DATABASE_DOWN, OutageWatch
 from . import inbox, lease as leases
 from .events import append_event
@@ -39,9 +37,7 @@ class Supervisor(threading.Thread):
         try:
             while not self._stopped.wait(harness.control_poll_seconds):
                 try:
-                    row = (Task.objects.filter(pk=lease.task_id)
-                           .annotate(recovered_waiting=Exists(leases.recovered_waiting()))
-                           .values("control", "lease_epoch", "lease_owner", "inbox_seq", "recovered_waiting").first())
+                    row = leases.poll(lease.task_id)
                     if row is None or row["lease_epoch"] != lease.epoch or row["lease_owner"] != lease.owner:
                         self.runner.lose_lease()
                         return

@@ -129,3 +129,26 @@ def test_the_runs_that_yield_are_the_settled_ones_with_the_lowest_ids_as_many_as
     Task.objects.filter(pk=recovered[0].pk).update(lease_owner="h:2:y", claimed_at=now)  # one got a slot
     assert [leases.should_yield_to_recovered(t) for t in (just_claimed, settled_a, settled_b, settled_c)] == \
         [False, True, False, False]
+
+
+def test_the_supervisors_poll_sees_what_the_orm_queries_see():
+    """lease.poll (the supervisor's query, written out in SQL): the task's control, lease and inbox
+    sequence, and recovered_waiting exactly when lease.recovered_waiting() finds a task."""
+    from orchestrator.engine import lease as leases
+
+    polled = services.task_create(type="agent.plan_execute", params={"goal": "g", "tools": []})
+    other = services.task_create(type="agent.plan_execute", params={"goal": "g", "tools": []})
+    Task.objects.filter(pk=polled.pk).update(control="pause", lease_epoch=7, lease_owner="w:1", inbox_seq=3)
+    assert leases.poll(polled.pk) == {"control": "pause", "lease_epoch": 7, "lease_owner": "w:1", "inbox_seq": 3,
+                                      "recovered_waiting": False}
+    assert leases.poll(10**9) is None
+    long_ago = timezone.now() - timedelta(minutes=1)
+    for change, waiting in (({"recovering_since": long_ago, "enqueued_at": timezone.now()}, False),  # just queued
+                            ({"enqueued_at": long_ago}, True),
+                            ({"lease_owner": "w:2"}, False),  # claimed already
+                            ({"lease_owner": "", "status": "paused"}, False),
+                            ({"status": "running"}, True),
+                            ({"recovering_since": None}, False)):
+        Task.objects.filter(pk=other.pk).update(**change)
+        assert leases.recovered_waiting().exists() is waiting, change
+        assert leases.poll(polled.pk)["recovered_waiting"] is waiting, change
