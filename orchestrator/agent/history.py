@@ -49,8 +49,12 @@ def write_with_step(ctx, key: str, **fields) -> None:
 def write(task_id: int, key: str, **fields) -> None:
     """A dialog row by its key, inserted or overwritten in one statement (INSERT … ON CONFLICT):
     a step that runs again writes its own row again. Inside the caller's fenced transaction."""
-    rows_at_commit.write_in_transaction([rows_at_commit.RowAtCommit(AgentMessage, DIALOG_KEY,
-                                                                    {"task_id": task_id, "key": key, **fields})])
+    rows_at_commit.write_in_transaction([row(task_id, key, **fields)])
+
+
+def row(task_id: int, key: str, **fields) -> rows_at_commit.RowAtCommit:
+    """A dialog row by its key, for a write of several (rows_at_commit.write_fenced)."""
+    return rows_at_commit.RowAtCommit(AgentMessage, DIALOG_KEY, {"task_id": task_id, "key": key, **fields})
 
 
 def sendable(task_id: int, turn: int) -> tuple[AgentMessage | None, list[AgentMessage]]:

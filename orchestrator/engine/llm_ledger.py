@@ -21,6 +21,7 @@ from django.db import transaction
 from django.db.models import Count, Sum
 
 from ..models import AgentMessage, ModelCallAttempt
+from . import rows_at_commit
 from .signals import LimitExceeded
 
 log = logging.getLogger(__name__)
@@ -33,20 +34,39 @@ def record(ctx, *, purpose: str, profile, outcome: str, prompt_tokens: int = 0, 
     """One attempt of `ctx`'s step. `count`: also add its tokens to the step's use (False for an
     attempt already counted some other way). `fence_held`: the caller's transaction holds the
     lease's fence already (its other writes and this row commit together)."""
-    from ..llm.profiles import cost_of
-
     with _fenced(ctx, fence_held):
-        row = ModelCallAttempt.objects.create(
-            task_id=ctx.task_id, step_id=ctx.step_id, generation=ctx.generation, purpose=purpose,
-            profile=getattr(profile, "name", "") or "", model=getattr(profile, "model", "") or "", outcome=outcome,
-            prompt_tokens=max(int(prompt_tokens), 0), completion_tokens=max(int(completion_tokens), 0),
-            cached_tokens=max(int(cached_tokens), 0), estimated=estimated, error=error[:2000],
-            cost=cost_of(profile, prompt_tokens, completion_tokens, cached_tokens) if profile is not None else None)
+        row = ModelCallAttempt.objects.create(**_values(ctx, purpose=purpose, profile=profile, outcome=outcome,
+                                                        prompt_tokens=prompt_tokens,
+                                                        completion_tokens=completion_tokens,
+                                                        cached_tokens=cached_tokens, estimated=estimated, error=error))
     if count:
         # Counted once the row is: a transaction that rolls back (its lease lost, a write after
         # it failed) counts nothing, and the attempt row left behind is counted lost later.
         transaction.on_commit(lambda: ctx.use_tokens(row.prompt_tokens + row.completion_tokens))
     return row
+
+
+def record_with(ctx, rows: list, *, deleted: tuple = (), purpose: str, profile, outcome: str, prompt_tokens: int,
+                completion_tokens: int, cached_tokens: int = 0, estimated: bool = False) -> None:
+    """One attempt of `ctx`'s step, written with `rows` (rows_at_commit.RowAtCommit: a turn's
+    answer) and the removal of `deleted` (its attempt row) in one fenced write
+    (rows_at_commit.write_fenced: on PostgreSQL one statement), then counted."""
+    ledger = rows_at_commit.RowAtCommit(ModelCallAttempt, (), _values(
+        ctx, purpose=purpose, profile=profile, outcome=outcome, prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens, cached_tokens=cached_tokens, estimated=estimated))
+    rows_at_commit.write_fenced(ctx.lease, [ledger, *rows], deleted=deleted)
+    ctx.use_tokens(ledger.values["prompt_tokens"] + ledger.values["completion_tokens"])
+
+
+def _values(ctx, *, purpose: str, profile, outcome: str, prompt_tokens: int, completion_tokens: int,
+            cached_tokens: int, estimated: bool, error: str = "") -> dict:
+    from ..llm.profiles import cost_of
+
+    return dict(task_id=ctx.task_id, step_id=ctx.step_id, generation=ctx.generation, purpose=purpose,
+                profile=getattr(profile, "name", "") or "", model=getattr(profile, "model", "") or "", outcome=outcome,
+                prompt_tokens=max(int(prompt_tokens), 0), completion_tokens=max(int(completion_tokens), 0),
+                cached_tokens=max(int(cached_tokens), 0), estimated=estimated, error=error[:2000],
+                cost=cost_of(profile, prompt_tokens, completion_tokens, cached_tokens) if profile is not None else None)
 
 
 @contextmanager

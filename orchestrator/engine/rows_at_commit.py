@@ -11,7 +11,7 @@ a column not given takes its model default on insert and is left as it is on upd
 from dataclasses import dataclass
 from functools import lru_cache
 
-from django.db import connection
+from django.db import connection, transaction
 
 
 @dataclass(frozen=True)
@@ -35,18 +35,66 @@ class RowAtCommit:
 def keep(pending: list[RowAtCommit], row: RowAtCommit) -> None:
     """Add `row` to a step's rows; one the step wrote before under the same key is replaced
     (one statement cannot write a row twice)."""
+    if not row.unique:
+        raise ValueError(f"write_at_commit({row.model.__name__}): name the unique fields that find the row again "
+                         f"(unique=...): a step that runs again writes the same row")
     if not row.updated_fields():
         raise ValueError(f"write_at_commit({row.model.__name__}): give a field besides its unique ones "
                          f"({', '.join(row.unique)})")
     pending[:] = [r for r in pending if r.key() != row.key()] + [row]
 
 
-def write_in_transaction(rows: list[RowAtCommit]) -> None:
+def write_in_transaction(rows: list[RowAtCommit]) -> list:
     """In the checkpoint's transaction, after its fence held (SQLite, or a PostgreSQL commit of
-    more than one statement)."""
+    more than one statement). Returns the primary key of each row with no `unique` (inserted
+    as a new row), None for the others."""
+    keys = []
     for row in rows:
+        if not row.unique:
+            keys.append(row.model.objects.create(**row.values).pk)
+            continue
         row.model.objects.bulk_create([row.model(**row.values)], update_conflicts=True, unique_fields=list(row.unique),
                                       update_fields=row.updated_fields())
+        keys.append(None)
+    return keys
+
+
+def write_fenced(lease, rows: list[RowAtCommit], *, deleted: tuple = (), probe: tuple[str, dict] | None = None):
+    """Rows written (and `deleted`, (model, pk) pairs, removed) if the lease still holds, else
+    LeaseLost — outside a step's checkpoint, in autocommit. On PostgreSQL one statement (the
+    fence a CTE, as in the commit statement): a fenced transaction of its own costs BEGIN, the
+    fence's read, each write and COMMIT, a round trip each. Returns (the primary key of each row
+    with no `unique`, None for the others; the value of `probe`, a SQL expression with its named
+    parameters, read in the same snapshot as the fence: before the writes)."""
+    from .lease import FENCE_ROW_SQL, LeaseLost, hold_fenced
+
+    if connection.vendor != "postgresql":
+        with transaction.atomic():
+            hold_fenced(lease)
+            probed = None
+            if probe is not None:
+                with connection.cursor() as cursor:
+                    cursor.execute(f"SELECT {probe[0]}", probe[1])
+                    probed = cursor.fetchone()[0]
+            for model, pk in deleted:
+                model.objects.filter(pk=pk).delete()
+            return write_in_transaction(rows), probed
+    ctes, params = sql(rows)
+    quote = connection.ops.quote_name
+    for index, (model, pk) in enumerate(deleted):
+        ctes += (f", rd{index} AS (DELETE FROM {quote(model._meta.db_table)} WHERE id = %(rd{index})s "
+                 f"AND EXISTS (SELECT 1 FROM t))")
+        params[f"rd{index}"] = pk
+    inserted = [f"(SELECT id FROM rc{index})" if not row.unique else "NULL" for index, row in enumerate(rows)]
+    probed = [probe[0]] if probe is not None else []
+    params.update({"task_id": lease.task_id, "epoch": lease.epoch, "owner": lease.owner, **(probe[1] if probe else {})})
+    with connection.cursor() as cursor:
+        cursor.execute(f"WITH t AS ({FENCE_ROW_SQL} FOR UPDATE){ctes} "
+                       f"SELECT {', '.join(['(SELECT count(*) FROM t)', *inserted, *probed])}", params)
+        found = cursor.fetchone()
+    if not found[0]:
+        raise LeaseLost(f"task {lease.task_id}: lease epoch {lease.epoch} is stale")
+    return list(found[1:1 + len(rows)]), (found[-1] if probe is not None else None)
 
 
 def sql(rows: list[RowAtCommit]) -> tuple[str, dict]:
@@ -72,8 +120,10 @@ def _statement(model, names: tuple[str, ...], unique: tuple[str, ...], prefix: s
     fields = [f for f in meta.concrete_fields if not f.primary_key]
     given = {meta.get_field(name).attname for name in names} - {meta.get_field(name).attname for name in unique}
     values = ", ".join(f"%({prefix}{i})s::{f.cast_db_type(connection)}" for i, f in enumerate(fields))
+    insert = (f"INSERT INTO {quote(meta.db_table)} ({', '.join(quote(f.column) for f in fields)}) "
+              f"SELECT {values} WHERE EXISTS (SELECT 1 FROM t)")
+    if not unique:  # a new row: its key is returned (write_fenced)
+        return f"{insert} RETURNING {quote(meta.pk.column)}", fields
     updates = ", ".join(f"{quote(f.column)} = EXCLUDED.{quote(f.column)}" for f in fields if f.attname in given)
     conflict = ", ".join(quote(meta.get_field(name).column) for name in unique)
-    return (f"INSERT INTO {quote(meta.db_table)} ({', '.join(quote(f.column) for f in fields)}) "
-            f"SELECT {values} WHERE EXISTS (SELECT 1 FROM t) "
-            f"ON CONFLICT ({conflict}) DO UPDATE SET {updates}"), fields
+    return f"{insert} ON CONFLICT ({conflict}) DO UPDATE SET {updates}", fields

@@ -26,12 +26,12 @@ from typing import Literal
 
 from django.conf import settings
 from django.contrib.auth.models import Group
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connection, transaction
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..agent import compaction, history, mcp as mcp_tools, memory, toolbox
 from ..engine.approvals import Policy
-from ..engine import llm_ledger
+from ..engine import llm_ledger, rows_at_commit
 from ..llm import LLMCancelled, LLMContextExceeded, LLMResponseGone, LLMStreamCut, profiles
 from ..llm.client import estimate_prompt_tokens, estimate_tokens
 from ..models import AgentMessage
@@ -488,23 +488,29 @@ class PlanExecuteAgent(TaskType):
         llm_ledger.record_failures(ctx, purpose="turn", profile=profile, failed_attempts=completion.failed_attempts)
         # The answer, its ledger row and the end of its attempt commit together (one transaction):
         # a process that dies before leaves the attempt row, which the next run counts as lost.
-        with fenced(ctx):
-            attempt.delete()  # complete: its usage is the completion's
-            earlier = llm_ledger.account_attempt_rows(ctx, profile=profile, role=AgentMessage.Role.ASSISTANT,
-                                                      fence_held=True)
-            llm_ledger.record(ctx, purpose="turn", profile=profile,
-                              outcome=llm_ledger.Outcome.REATTACHED if reattached else llm_ledger.Outcome.COMPLETED,
-                              prompt_tokens=completion.usage.prompt_tokens,
-                              completion_tokens=completion.usage.completion_tokens,
-                              cached_tokens=completion.usage.cached_tokens, estimated=completion.usage.estimated,
-                              fence_held=True)
-            history.write(ctx.task_id, f"{ctx.step_id}:g{ctx.generation}", turn=turn, order=0,
-                          role=AgentMessage.Role.ASSISTANT, content=completion.content,
-                          reasoning=completion.reasoning, tool_calls=calls,
-                          prompt_tokens=completion.usage.prompt_tokens,
-                          completion_tokens=completion.usage.completion_tokens, cost=cost,
-                          tokens_estimated=completion.usage.estimated, step_id=ctx.step_id,
-                          generation=ctx.generation)
+        answer = history.row(ctx.task_id, f"{ctx.step_id}:g{ctx.generation}", turn=turn, order=0,
+                             role=AgentMessage.Role.ASSISTANT, content=completion.content,
+                             reasoning=completion.reasoning, tool_calls=calls,
+                             prompt_tokens=completion.usage.prompt_tokens,
+                             completion_tokens=completion.usage.completion_tokens, cost=cost,
+                             tokens_estimated=completion.usage.estimated, step_id=ctx.step_id,
+                             generation=ctx.generation)
+        usage = dict(purpose="turn", profile=profile,
+                     outcome=llm_ledger.Outcome.REATTACHED if reattached else llm_ledger.Outcome.COMPLETED,
+                     prompt_tokens=completion.usage.prompt_tokens, completion_tokens=completion.usage.completion_tokens,
+                     cached_tokens=completion.usage.cached_tokens, estimated=completion.usage.estimated)
+        earlier = 0
+        if getattr(attempt, "earlier_unaccounted", True):
+            # An earlier run's attempts of this step to count first (lost with their process):
+            # read and written in the same fenced transaction.
+            with fenced(ctx):
+                attempt.delete()  # complete: its usage is the completion's
+                earlier = llm_ledger.account_attempt_rows(ctx, profile=profile, role=AgentMessage.Role.ASSISTANT,
+                                                          fence_held=True)
+                llm_ledger.record(ctx, **usage, fence_held=True)
+                rows_at_commit.write_in_transaction([answer])
+        else:  # the usual turn: one fenced write (on PostgreSQL one statement)
+            llm_ledger.record_with(ctx, [answer], deleted=((AgentMessage, attempt.pk),), **usage)
         if calls:
             steps = [StepSpec(c["step"], title=f"{c['name']} ({c['id']})", depends_on=(ctx.step_id,)) for c in calls]
             before_next = tuple(s.id for s in steps)
@@ -595,7 +601,8 @@ class PlanExecuteAgent(TaskType):
         attempt.cost = profiles.cost_of(profile, attempt.prompt_tokens, attempt.completion_tokens,
                                         partial.usage.cached_tokens if partial is not None else 0)
         with fenced(ctx):
-            attempt.save()
+            attempt.save(update_fields=["content", "reasoning", "prompt_tokens", "completion_tokens",
+                                        "tokens_estimated", "cost"])
         llm_ledger.account_attempt_rows(ctx, profile=profile, role=AgentMessage.Role.ASSISTANT, current=attempt,
                                  outcome=outcome)
         log.info("agent turn interrupted: partial answer kept",
@@ -709,12 +716,24 @@ def _as_object(arguments: str) -> dict | None:
 
 
 def _new_attempt(ctx, turn: int, prompt_tokens: int) -> AgentMessage:
-    with fenced(ctx):
-        return AgentMessage.objects.create(
-            task_id=ctx.task_id, turn=turn, order=0, role=AgentMessage.Role.ASSISTANT, interrupted=True,
-            accounted=False, tokens_estimated=True, step_id=ctx.step_id, generation=ctx.generation,
-            key=f"{ctx.step_id}:g{ctx.generation}:attempt:{uuid.uuid4().hex[:12]}",
-            prompt_tokens=prompt_tokens)  # as billed, if the process dies
+    """The attempt's row, fenced (on PostgreSQL one statement); it also says whether an earlier
+    run left attempts of this step not yet counted (`earlier_unaccounted`: the turn's end counts
+    them), read in the same write."""
+    values = dict(task_id=ctx.task_id, turn=turn, order=0, role=AgentMessage.Role.ASSISTANT, interrupted=True,
+                  accounted=False, tokens_estimated=True, step_id=ctx.step_id, generation=ctx.generation,
+                  key=f"{ctx.step_id}:g{ctx.generation}:attempt:{uuid.uuid4().hex[:12]}",
+                  prompt_tokens=prompt_tokens)  # as billed, if the process dies
+    table = connection.ops.quote_name(AgentMessage._meta.db_table)
+    unaccounted = (f"EXISTS (SELECT 1 FROM {table} WHERE task_id = %(a_task)s AND step_id = %(a_step)s "
+                   f"AND generation = %(a_generation)s AND role = %(a_role)s AND interrupted AND NOT accounted)",
+                   {"a_task": ctx.task_id, "a_step": ctx.step_id, "a_generation": ctx.generation,
+                    "a_role": AgentMessage.Role.ASSISTANT})
+    (pk,), earlier = rows_at_commit.write_fenced(ctx.lease, [rows_at_commit.RowAtCommit(AgentMessage, (), values)],
+                                                 probe=unaccounted)
+    attempt = AgentMessage(pk=pk, **values)
+    attempt._state.adding, attempt._state.db = False, connection.alias
+    attempt.earlier_unaccounted = bool(earlier)
+    return attempt
 
 
 def _background_attempt_left(ctx) -> AgentMessage | None:

@@ -59,14 +59,28 @@ def test_dialog_rows_are_written_without_a_savepoint_or_a_locking_read_of_the_di
     assert rows.filter(role="tool").count() >= 3 and rows.filter(role="assistant").count() >= 2
     dialog = [s for s in statements.seen if '"orchestrator_agentmessage"' in s]
     inserts = [s for s in dialog if s.lstrip().upper().startswith("INSERT")]
-    # A row by its key is one INSERT … ON CONFLICT (the opening two, each answer); a tool result
-    # is written by its step's checkpoint (on PostgreSQL a part of the one commit statement);
-    # only a model call's attempt row, new each time, is a plain INSERT.
     upserts = [s for s in inserts if "ON CONFLICT" in s.upper()]
-    in_commit_statement = [s for s in dialog if s.lstrip().upper().startswith("WITH T AS")]
-    assert len(upserts) + len(in_commit_statement) == rows.exclude(key__contains=":attempt:").count()
-    assert len(in_commit_statement) == (rows.filter(role="tool").count() if connection.vendor == "postgresql" else 0)
-    assert len(inserts) - len(upserts) == ModelCallAttempt.objects.filter(task=task, purpose="turn").count()
+    attempts_made = ModelCallAttempt.objects.filter(task=task, purpose="turn").count()
+    if connection.vendor == "postgresql":
+        # One statement per write: a tool result inside its step's commit statement; a model
+        # call's attempt row with its fence; an answer with its ledger row and its attempt's
+        # removal, with its fence (rows_at_commit.write_fenced); the opening two rows.
+        in_commit = [s for s in dialog if "SET checkpoint_version" in s]
+        fenced = [s for s in dialog if s.startswith("WITH t AS (SELECT id FROM orchestrator_task")]
+        attempts = [s for s in fenced if "ON CONFLICT" not in s and "DELETE" not in s]
+        answers = [s for s in fenced if "ON CONFLICT" in s and "DELETE FROM" in s
+                   and "orchestrator_modelcallattempt" in s]
+        assert len(in_commit) == rows.filter(role="tool").count()
+        assert len(attempts) == attempts_made
+        assert len(answers) == rows.filter(role="assistant", interrupted=False).count()
+        assert len(fenced) == len(attempts) + len(answers)
+        assert len(upserts) == 2 and not [s for s in inserts if s not in upserts]  # system prompt and goal
+    else:
+        # In transactions: a row by its key is one INSERT … ON CONFLICT (the opening two, each
+        # answer, each tool result in its step's checkpoint); a model call's attempt row, new
+        # each time, is a plain INSERT.
+        assert len(upserts) == rows.exclude(key__contains=":attempt:").count()
+        assert len(inserts) - len(upserts) == attempts_made
     # update_or_create read each row FOR UPDATE inside a savepoint first: neither is left.
     assert not [s for s in dialog if s.lstrip().upper().startswith("SELECT") and "FOR UPDATE" in s.upper()]
     assert not [s for s in statements.seen if s.lstrip().upper().startswith("SAVEPOINT")]
@@ -76,16 +90,19 @@ def test_a_turn_whose_answer_cannot_be_written_leaves_its_attempt_counted_lost_n
     """The answer, its ledger row and the attempt's removal are one transaction: when the answer's
     row fails, nothing of it stays — no `completed` row for an answer the dialog does not hold; the
     attempt row stays, and the step's retry counts it lost, so every billed call is counted once."""
-    real_write = history.write
+    real_row = history.row
     failed = []
 
-    def write(task_id, key, **fields):
+    def row(task_id, key, **fields):
         if fields.get("role") == AgentMessage.Role.ASSISTANT and key.startswith("turn-001") and not failed:
             failed.append(key)
-            raise RuntimeError("injected: the answer's row could not be written")
-        return real_write(task_id, key, **fields)
+            # A value its column refuses (turn is a PositiveIntegerField: a CHECK constraint on
+            # both databases): the database itself refuses the answer's write, after the fence
+            # held and with the ledger row and the attempt's removal in the same write.
+            fields["turn"] = -1
+        return real_row(task_id, key, **fields)
 
-    monkeypatch.setattr(history, "write", write)
+    monkeypatch.setattr(history, "row", row)
     task = services.task_create(type="agent.plan_execute", params={"goal": GOAL, "tools": TOOLS})
     assert drive_inline(task.pk) == "completed", Task.objects.get(pk=task.pk).status_reason
     assert failed == ["turn-001:g0"]

@@ -133,3 +133,44 @@ def test_on_postgresql_the_rows_are_part_of_the_one_commit_statement(monkeypatch
     import psycopg._queries
 
     assert len(touching[0].encode()) <= psycopg._queries.MAX_CACHED_STATEMENT_LENGTH
+
+
+def test_a_fenced_write_lands_whole_or_not_at_all_and_never_under_a_stale_lease():
+    """rows_at_commit.write_fenced (outside a checkpoint: an agent's attempt row, a turn's answer
+    with its ledger row): the fence, the probe (read before the writes), the rows and the
+    deletions in one statement on PostgreSQL, one transaction on SQLite."""
+    from django.db import IntegrityError
+
+    from orchestrator.engine import lease as leases, rows_at_commit
+    from orchestrator.engine.lease import LeaseLost
+    from orchestrator.models import ModelCallAttempt
+
+    task = services.task_create(type="test.diamond", params={})
+    lease = leases.claim(task.pk)
+    count = ("(SELECT count(*) FROM orchestrator_agentmessage WHERE task_id = %(probe_task)s)", {"probe_task": task.pk})
+
+    def message(key, **more):
+        return rows_at_commit.RowAtCommit(AgentMessage, ("task", "key"), {
+            "task_id": task.pk, "key": key, "turn": 1, "role": "assistant", "content": key, **more})
+
+    def ledger():
+        return rows_at_commit.RowAtCommit(ModelCallAttempt, (), {
+            "task_id": task.pk, "step_id": "a", "outcome": "completed", "prompt_tokens": 5})
+
+    keys, probed = rows_at_commit.write_fenced(lease, [message("k1"), ledger()], probe=count)
+    assert probed == 0 and keys[0] is None and ModelCallAttempt.objects.get(pk=keys[1]).prompt_tokens == 5
+    first = AgentMessage.objects.get(task=task, key="k1")
+    keys, probed = rows_at_commit.write_fenced(lease, [message("k2")], deleted=((AgentMessage, first.pk),), probe=count)
+    assert probed == 1 and set(rows(task)) == {"k2"}
+    # A row the database refuses: nothing of the write lands (the ledger row, the deletion).
+    k2 = AgentMessage.objects.get(task=task, key="k2")
+    with pytest.raises(IntegrityError):
+        rows_at_commit.write_fenced(lease, [ledger(), message("k3", turn=-1)], deleted=((AgentMessage, k2.pk),))
+    assert set(rows(task)) == {"k2"} and ModelCallAttempt.objects.filter(task=task).count() == 1
+    # Another worker took the task: the stale holder writes nothing.
+    Task.objects.filter(pk=task.pk).update(lease_epoch=lease.epoch + 1)
+    with pytest.raises(LeaseLost):
+        rows_at_commit.write_fenced(lease, [message("k4"), ledger()], deleted=((AgentMessage, k2.pk),))
+    assert set(rows(task)) == {"k2"} and ModelCallAttempt.objects.filter(task=task).count() == 1
+    with pytest.raises(ValueError, match="unique"):  # a step's own rows are found again by their key
+        rows_at_commit.keep([], ledger())
