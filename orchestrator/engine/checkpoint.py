@@ -89,10 +89,11 @@ def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
     encoded = json.dumps(commit.result)
     apart = len(encoded) > harness.result_inline_bytes
     version = plan.version + 1
-    # One statement (and one round trip) unless this commit has more to write: a full
-    # snapshot, added steps, a result stored apart, or an armed crash-test fault point.
-    simple = (connection.vendor == "postgresql" and not commit.added and not apart and not commit.consumed
-              and not commit.ends_wait and not snapshots.full_due(version) and not armed_faults())
+    # One statement (and one round trip) unless this commit has more to write: a full snapshot,
+    # added steps that go before existing ones, a result stored apart, or an armed crash-test fault point.
+    simple = (connection.vendor == "postgresql" and not any(spec.before for spec in commit.added) and not apart
+              and not commit.consumed and not commit.ends_wait and not snapshots.full_due(version)
+              and not armed_faults())
     if simple:
         row = commit_statement.postgresql(lease, plan, commit, encoded, now, delta=True)
         if row is None:

@@ -11,7 +11,7 @@ from django.db import connection
 
 from ..conf import harness
 from ..models import IdempotencyRecord, Snapshot, Step, Task, TaskEvent, WalEntry
-from . import at_commit, events, rows_at_commit, wal
+from . import at_commit, events, rows_at_commit, step_rows, wal
 from .events import NOTIFY_CHANNEL
 from .lease import Lease
 from .plan_state import PlanState
@@ -59,9 +59,11 @@ WITH t AS (
 ), snap AS (
     INSERT INTO {snapshot} (task_id, version, step_id, "full", state, created_at)
     SELECT %(task_id)s, t.checkpoint_version, %(step_id)s, false,
-        jsonb_build_object('steps', jsonb_build_object(%(step_id)s::text, 'done'), 'status', t.status,
+        jsonb_build_object('steps', jsonb_build_object(%(step_id)s::text, 'done') || %(pending)s::jsonb,
+            'status', t.status,
             'counters', jsonb_build_object('steps_done', %(steps_done)s::int, 'tokens_used', t.tokens_used,
-                                           'active_seconds', round(t.active_seconds::numeric, 3))),
+                                           'active_seconds', round(t.active_seconds::numeric, 3)))
+            || %(added_by)s::jsonb,
         %(now)s
     FROM t WHERE %(delta)s
 ), ev AS (
@@ -97,6 +99,9 @@ def _commit_parameters(lease: Lease, plan: PlanState, commit: StepCommit, encode
         "attempts": plan.attempts.get(commit.step_id, 0) + 1, "started_at": commit.started_at,
         "step_id": commit.step_id, "seconds": round((now - commit.started_at).total_seconds(), 3),
         "effects": wal.done_parameter(commit.effects),
+        # The snapshot delta's steps the commit adds (pending) and who added them.
+        "pending": json.dumps({spec.id: "pending" for spec in commit.added}),
+        "added_by": json.dumps({"added_by": {spec.id: commit.step_id for spec in commit.added}} if commit.added else {}),
     }
 
 
@@ -129,6 +134,12 @@ def postgresql(lease, plan, commit, encoded_result, now, *, delta: bool, at_comm
         rows, values = rows_at_commit.sql(commit.rows)
         more += rows
         parameters.update(values)
+    if commit.added and at_commit_sql:  # the Step rows of the steps it adds (positions after the plan's last)
+        added, defaults = step_rows.added_sql()
+        more += added
+        generation = plan.generations.get(commit.step_id, 0)  # as checkpoint.additions: the adder's
+        parameters.update(defaults, added_rows=step_rows.added_rows(
+            [(spec, commit.step_id, generation) for spec in commit.added], plan.next_position()))
     if more:
         statement = head + more + " SELECT checkpoint_version, event_seq" + _TAIL
     with prepared_cursor() as cursor:

@@ -47,6 +47,39 @@ def _postgresql_insert() -> tuple[str, tuple]:
     return sql, tuple(defaults)
 
 
+# Steps a step adds: their adder and generation too (checkpoint.additions).
+_ADDED = _FROM_SPEC + (("added_by", "text"), ("generation", "integer"))
+
+
+@cache
+def added_sql() -> tuple[str, dict]:
+    """The Step rows a step adds, as a common table expression of the PostgreSQL commit statement
+    (fenced on its `t`; commit_statement.py): the rows one parameter, %(added_rows)s (added_rows()),
+    and the model defaults of the other columns named parameters, returned with their values."""
+    quote = connection.ops.quote_name
+    given = {name for name, _ in _ADDED}
+    defaults = [f for f in Step._meta.concrete_fields if not f.primary_key and f.attname != "task_id"
+                and f.attname not in given]
+    columns = ["task_id", *(name for name, _ in _ADDED), *(f.column for f in defaults)]
+    selected = ["%(task_id)s", *(f"r.{quote(name)}" for name, _ in _ADDED),
+                *(f"%(sd{i})s::{f.db_type(connection)}" for i, f in enumerate(defaults))]
+    record = ", ".join(f"{quote(name)} {kind}" for name, kind in _ADDED)
+    sql = (f", added_steps AS (INSERT INTO {Step._meta.db_table} ({', '.join(quote(c) for c in columns)}) "
+           f"SELECT {', '.join(selected)} FROM jsonb_to_recordset(%(added_rows)s::jsonb) AS r({record}) "
+           f"WHERE EXISTS (SELECT 1 FROM t))")
+    return sql, {f"sd{i}": f.get_db_prep_save(f.get_default(), connection) for i, f in enumerate(defaults)}
+
+
+def added_rows(added: list[tuple], first: int) -> str:
+    """%(added_rows)s of added_sql(): the (spec, added_by, generation) of checkpoint.additions,
+    from position `first` on."""
+    return json.dumps([{"step_id": spec.id, "position": first + i, "title": spec.title or spec.id,
+                        "depends_on": list(spec.depends_on), "declared_reads": list(spec.reads),
+                        "on_failure": spec.on_failure, "runs_after_skipped": spec.runs_after_skipped,
+                        "before": list(spec.before), "added_by": adder, "generation": generation}
+                       for i, (spec, adder, generation) in enumerate(added)])
+
+
 def insert(task: Task, specs) -> None:
     """Insert the Step rows of `specs` (a plan, in order) in the caller's transaction."""
     if not specs:

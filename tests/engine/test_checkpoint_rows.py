@@ -119,3 +119,47 @@ EXPECTED = {'task': {'status': 'running',
           'result': {'upserted': 50},
           'error': ''}],
  'idempotency': [{'result': {'upserted': 50}}]}
+
+
+def test_a_commit_that_adds_steps_leaves_the_same_rows_on_either_database_in_one_statement_on_postgresql():
+    """Steps a step adds (an agent's tool calls and next turn) are inserted by its commit: on
+    PostgreSQL inside the one commit statement (their rows one JSON parameter), on SQLite in its
+    transaction; the rows, the snapshot delta and the event are the same."""
+    from django.db import connection
+
+    from orchestrator.tasktypes.base import StepSpec
+
+    task = services.task_create(type="demo.migrate_rows", params={"rows": 100, "batch_size": 50, "rate": 1.0})
+    lease = leases.claim(task.pk)
+    task_type = get_type(task.type)
+    plan = checkpoint.ensure_plan(lease=lease, task_type=task_type, params=task_type.Params.model_validate(task.params))
+    added = [StepSpec("extra-a", title="Extra A", depends_on=("prepare-source",), reads=("rows",), on_failure="skip"),
+             StepSpec("extra-b", depends_on=("extra-a",), runs_after_skipped=True)]
+    statements = []
+
+    def seen(execute, sql, params, many, context):
+        statements.append(sql)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(seen):  # the commit statement's prepared cursor included
+        checkpoint.commit_step(lease=lease, plan=plan, step_id="prepare-source", result={"rows": 100}, reads=[],
+                               effects=[], started_at=timezone.now(), added=added)
+    if connection.vendor == "postgresql":
+        assert len(statements) == 1 and "added_steps AS (INSERT INTO orchestrator_step" in statements[0], statements
+    assert list(Step.objects.filter(task_id=task.pk, step_id__startswith="extra-").order_by("position").values(
+        "step_id", "position", "title", "depends_on", "declared_reads", "on_failure", "runs_after_skipped", "before",
+        "added_by", "generation", "status", "attempts", "reads", "result", "error")) == [
+        {"step_id": "extra-a", "position": 3, "title": "Extra A", "depends_on": ["prepare-source"],
+         "declared_reads": ["rows"], "on_failure": "skip", "runs_after_skipped": False, "before": [],
+         "added_by": "prepare-source", "generation": 0, "status": "pending", "attempts": 0, "reads": [],
+         "result": None, "error": ""},
+        {"step_id": "extra-b", "position": 4, "title": "extra-b", "depends_on": ["extra-a"], "declared_reads": [],
+         "on_failure": "", "runs_after_skipped": True, "before": [], "added_by": "prepare-source", "generation": 0,
+         "status": "pending", "attempts": 0, "reads": [], "result": None, "error": ""}]
+    assert Snapshot.objects.get(task_id=task.pk, version=2).state == {
+        "steps": {"prepare-source": "done", "extra-a": "pending", "extra-b": "pending"},
+        "added_by": {"extra-a": "prepare-source", "extra-b": "prepare-source"}, "status": "running",
+        "counters": {"steps_done": 1, "tokens_used": 0, "active_seconds": 0.0}}
+    event = TaskEvent.objects.get(task_id=task.pk, kind="step_done")
+    assert event.payload["steps_total"] == Task.objects.get(pk=task.pk).steps_total == 5
+    assert list(plan.depends_on["extra-b"]) == ["extra-a"] and plan.status["extra-a"] == "pending"
