@@ -105,7 +105,9 @@ def main() -> None:
                        ("events", "progress events")):
         values = [r[key] for r in rows]
         print(f"  {label:34s} median {statistics.median(values):10.2f}   min {min(values):10.2f}")
-    print("  (a step is an LLM turn or a tool call; overhead = wall - model - tools, spread over the steps)")
+    print("  (a step is an LLM turn or a tool call; overhead = wall - model - tools, spread over the steps;")
+    print("   commits: Django's transaction commits — a statement run in autocommit, as each step's PostgreSQL")
+    print("   commit statement and the turn's fenced writes are, commits on its own and is not counted)")
 
 
 def long_run(items: int, window: int) -> None:
