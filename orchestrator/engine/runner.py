@@ -13,7 +13,7 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from django.db import close_old_connections, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from .. import telemetry
@@ -256,7 +256,7 @@ class Runner:
     @telemetry.traced_step
     def execute(self, ctx: StepContext, pooled: bool = True):
         if pooled:  # a pool thread's connection may have gone stale between steps
-            close_old_connections()
+            step_threads.before_step(self.state)
         try:
             with ctx.token.track("step", ctx.step_id):
                 return self.state.task_type.run_step(ctx, ctx.step_id)

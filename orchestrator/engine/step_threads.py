@@ -14,9 +14,11 @@ forked executor never takes its parent's pools (they are kept per process id).
 """
 import os
 import threading
+import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
-from django.db import connection
+from django.db import close_old_connections, connection
 
 # Idle pools kept per size: one per run going on at once in this process is enough to reuse;
 # past that a pool given back is closed (its connections too).
@@ -47,6 +49,27 @@ def give_back(pool: ThreadPoolExecutor, size: int, *, abandon: bool) -> None:
             return
     close_thread_connections(pool)
     pool.shutdown(wait=True, cancel_futures=True)
+
+
+# A pool thread's connection is checked (CONN_HEALTH_CHECKS: a `SELECT 1`) before its first step of
+# a run, after it sat idle this long, or after a database error on it — not before every step: in
+# an agent's turn the check was a round trip on each tool call's thread, ~1 ms beside the others.
+IDLE_CHECK_SECONDS = 1.0
+_checked = threading.local()
+
+
+def before_step(run) -> None:
+    """On a pool thread, before a step of `run`: replace its connection if it may have gone stale
+    (close_old_connections) — at the run's first step on this thread, after an idle second, or
+    after an error on it. A database restarted between two steps of a run, a second apart at most,
+    fails the later step once (its retry finds the connection checked)."""
+    now = time.monotonic()
+    last = getattr(_checked, "run", None)  # a weak reference: an idle thread must not keep a run's state
+    fresh = (last is not None and last() is run and now - _checked.at < IDLE_CHECK_SECONDS
+             and not connection.errors_occurred)
+    if not fresh:
+        close_old_connections()
+    _checked.run, _checked.at = weakref.ref(run), now
 
 
 def kept_threads() -> set[threading.Thread]:

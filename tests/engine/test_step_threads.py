@@ -88,3 +88,50 @@ def test_a_forked_process_never_takes_its_parents_pool():
     os.close(read)
     assert answer == b"fresh" and status == 0
     assert step_threads.take(6) is pool  # the parent's is still there for the parent
+
+
+def test_a_pool_threads_connection_is_checked_at_its_first_step_of_a_run_not_before_each_step(settings,
+                                                                                              monkeypatch):
+    """step_threads.before_step: a pool thread's connection is health-checked (a `SELECT 1`) at its
+    first step of a run — so a session that died while its kept pool sat idle (here: its server
+    process terminated between two runs) is replaced, and no step fails for it — then not again
+    while the run's steps follow each other."""
+    from django.db import connections
+
+    from orchestrator.models import Step
+
+    if connection.vendor != "postgresql":
+        pytest.skip("health checks are PostgreSQL's (CONN_HEALTH_CHECKS; SQLite's connections are not kept)")
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+    backends: dict[int, int] = {}
+    original = Growing.run_step
+
+    def recording(self, ctx, step_id):
+        if step_id.startswith("item-"):
+            from django.db import connection as thread_connection
+
+            with thread_connection.cursor() as cursor:  # a query as a step makes (the check comes before it)
+                cursor.execute("SELECT pg_backend_pid()")
+                backends[threading.get_ident()] = cursor.fetchone()[0]
+        return original(self, ctx, step_id)
+
+    checks: list[int] = []
+    real_is_usable = type(connections["default"]).is_usable
+
+    def is_usable(self):
+        checks.append(threading.get_ident())
+        return real_is_usable(self)
+
+    monkeypatch.setattr(Growing, "run_step", recording)
+    first = services.task_create(type="test.growing", params={"items": 3}, limits={"max_subtasks": 3})
+    assert drive_inline(first.pk, watched=True) == "completed"
+    with connection.cursor() as cursor:  # the kept pool's sessions die while it is idle
+        for pid in set(backends.values()):
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+    monkeypatch.setattr(type(connections["default"]), "is_usable", is_usable)
+    backends.clear()
+    second = services.task_create(type="test.growing", params={"items": 12}, limits={"max_subtasks": 3})
+    assert drive_inline(second.pk, watched=True) == "completed"
+    assert not Step.objects.filter(task=second, attempts__gt=1).exists()  # no step failed for a dead session
+    pool_checks = [ident for ident in checks if ident in backends]
+    assert 1 <= len(pool_checks) <= 3 < 12, pool_checks  # once per pool thread, not once per step
