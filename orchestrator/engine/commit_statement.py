@@ -138,7 +138,7 @@ def postgresql(lease, plan, commit, encoded_result, now, *, delta: bool, at_comm
         added, defaults = step_rows.added_sql()
         more += added
         generation = plan.generations.get(commit.step_id, 0)  # as checkpoint.additions: the adder's
-        parameters.update(defaults, added_rows=step_rows.added_rows(
+        parameters.update(defaults, step_rows=step_rows.step_rows_json(
             [(spec, commit.step_id, generation) for spec in commit.added], plan.next_position()))
     if more:
         statement = head + more + " SELECT checkpoint_version, event_seq" + _TAIL

@@ -14,11 +14,12 @@ from ..models import Step, Task
 PLAN_FIELDS = ("step_id", "depends_on", "status", "attempts", "failure_fingerprint", "generation", "on_failure",
                "runs_after_skipped", "added_by", "position")
 
-# The columns a StepSpec sets, with their SQL types for jsonb_to_recordset; every other column
-# takes its model default (bound once per statement, read from the model: one definition).
+# The columns a StepSpec sets (and, for a step added at run time, its adder and generation), with
+# their SQL types for jsonb_to_recordset; every other column takes its model default (bound once
+# per statement, read from the model: one definition).
 _FROM_SPEC = (("step_id", "text"), ("position", "integer"), ("title", "text"), ("depends_on", "jsonb"),
               ("declared_reads", "jsonb"), ("on_failure", "text"), ("runs_after_skipped", "boolean"),
-              ("before", "jsonb"))
+              ("before", "jsonb"), ("added_by", "text"), ("generation", "integer"))
 
 
 def step_row(task: Task, spec, position: int, added_by: str = "", generation: int = 0) -> Step:
@@ -34,45 +35,34 @@ def plan_rows(task: Task) -> list[tuple]:
 
 
 @cache
-def _postgresql_insert() -> tuple[str, tuple]:
+def _postgresql_insert() -> tuple[str, dict]:
+    """INSERT … SELECT of Step rows from %(step_rows)s (step_rows_json()) for task %(task_id)s, and
+    the model defaults of the other columns as named parameters with their values."""
+    quote = connection.ops.quote_name
     given = {name for name, _ in _FROM_SPEC}
     defaults = [f for f in Step._meta.concrete_fields if not f.primary_key and f.attname != "task_id"
                 and f.attname not in given]
     columns = ["task_id", *(name for name, _ in _FROM_SPEC), *(f.column for f in defaults)]
-    selected = ["%s", *(f"r.{connection.ops.quote_name(name)}" for name, _ in _FROM_SPEC),
-                *(f"%s::{f.db_type(connection)}" for f in defaults)]
-    record = ", ".join(f"{connection.ops.quote_name(name)} {kind}" for name, kind in _FROM_SPEC)
-    sql = (f"INSERT INTO {Step._meta.db_table} ({', '.join(connection.ops.quote_name(c) for c in columns)}) "
-           f"SELECT {', '.join(selected)} FROM jsonb_to_recordset(%s::jsonb) AS r({record})")
-    return sql, tuple(defaults)
-
-
-# Steps a step adds: their adder and generation too (checkpoint.additions).
-_ADDED = _FROM_SPEC + (("added_by", "text"), ("generation", "integer"))
+    selected = ["%(task_id)s", *(f"r.{quote(name)}" for name, _ in _FROM_SPEC),
+                *(f"%(sd{i})s::{f.db_type(connection)}" for i, f in enumerate(defaults))]
+    record = ", ".join(f"{quote(name)} {kind}" for name, kind in _FROM_SPEC)
+    sql = (f"INSERT INTO {Step._meta.db_table} ({', '.join(quote(c) for c in columns)}) "
+           f"SELECT {', '.join(selected)} FROM jsonb_to_recordset(%(step_rows)s::jsonb) AS r({record})")
+    return sql, {f"sd{i}": f.get_db_prep_save(f.get_default(), connection) for i, f in enumerate(defaults)}
 
 
 @cache
 def added_sql() -> tuple[str, dict]:
     """The Step rows a step adds, as a common table expression of the PostgreSQL commit statement
-    (fenced on its `t`; commit_statement.py): the rows one parameter, %(added_rows)s (added_rows()),
-    and the model defaults of the other columns named parameters, returned with their values."""
-    quote = connection.ops.quote_name
-    given = {name for name, _ in _ADDED}
-    defaults = [f for f in Step._meta.concrete_fields if not f.primary_key and f.attname != "task_id"
-                and f.attname not in given]
-    columns = ["task_id", *(name for name, _ in _ADDED), *(f.column for f in defaults)]
-    selected = ["%(task_id)s", *(f"r.{quote(name)}" for name, _ in _ADDED),
-                *(f"%(sd{i})s::{f.db_type(connection)}" for i, f in enumerate(defaults))]
-    record = ", ".join(f"{quote(name)} {kind}" for name, kind in _ADDED)
-    sql = (f", added_steps AS (INSERT INTO {Step._meta.db_table} ({', '.join(quote(c) for c in columns)}) "
-           f"SELECT {', '.join(selected)} FROM jsonb_to_recordset(%(added_rows)s::jsonb) AS r({record}) "
-           f"WHERE EXISTS (SELECT 1 FROM t))")
-    return sql, {f"sd{i}": f.get_db_prep_save(f.get_default(), connection) for i, f in enumerate(defaults)}
+    (fenced on its `t`; commit_statement.py): the rows one parameter, %(step_rows)s
+    (step_rows_json()), and the model defaults of the other columns named parameters, returned
+    with their values."""
+    insert, defaults = _postgresql_insert()
+    return f", added_steps AS ({insert} WHERE EXISTS (SELECT 1 FROM t))", defaults
 
 
-def added_rows(added: list[tuple], first: int) -> str:
-    """%(added_rows)s of added_sql(): the (spec, added_by, generation) of checkpoint.additions,
-    from position `first` on."""
+def step_rows_json(added: list[tuple], first: int) -> str:
+    """%(step_rows)s: the (spec, added_by, generation) of each step, from position `first` on."""
     return json.dumps([{"step_id": spec.id, "position": first + i, "title": spec.title or spec.id,
                         "depends_on": list(spec.depends_on), "declared_reads": list(spec.reads),
                         "on_failure": spec.on_failure, "runs_after_skipped": spec.runs_after_skipped,
@@ -89,9 +79,6 @@ def insert(task: Task, specs) -> None:
                                  batch_size=2000)
         return
     sql, defaults = _postgresql_insert()
-    rows = json.dumps([{"step_id": spec.id, "position": i, "title": spec.title or spec.id,
-                        "depends_on": list(spec.depends_on), "declared_reads": list(spec.reads),
-                        "on_failure": spec.on_failure, "runs_after_skipped": spec.runs_after_skipped,
-                        "before": list(spec.before)} for i, spec in enumerate(specs)])
     with connection.cursor() as cursor:
-        cursor.execute(sql, [task.pk, *(f.get_db_prep_save(f.get_default(), connection) for f in defaults), rows])
+        cursor.execute(sql, {"task_id": task.pk, **defaults,
+                             "step_rows": step_rows_json([(spec, "", 0) for spec in specs], 0)})
