@@ -135,3 +135,64 @@ def test_a_pool_threads_connection_is_checked_at_its_first_step_of_a_run_not_bef
     assert not Step.objects.filter(task=second, attempts__gt=1).exists()  # no step failed for a dead session
     pool_checks = [ident for ident in checks if ident in backends]
     assert 1 <= len(pool_checks) <= 3 < 12, pool_checks  # once per pool thread, not once per step
+
+
+def test_a_runs_supervisor_polls_on_a_kept_thread_whose_connection_the_next_run_finds_open(settings, monkeypatch):
+    """The supervisor's loop (heartbeat, operator requests) runs on a kept thread
+    (step_threads.run_kept): the next run's polls come from the same thread and, on PostgreSQL,
+    the same session — no connection opened beside the run's first steps, none closed beside its
+    end — and once a run has returned that thread is idle (an executor retires when a run leaves
+    a thread running). A session that died while the thread sat idle is replaced, not an error."""
+    from django.db.backends.signals import connection_created
+
+    from orchestrator.engine import lease as leases
+
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+    settings.ORCH_CONTROL_POLL_SECONDS = 0.01
+    polls: dict[int, list[tuple[threading.Thread, int | None]]] = {}
+    polled = threading.Event()
+    real_poll, original = leases.poll, Growing.run_step
+
+    def poll(task_id):
+        row = real_poll(task_id)  # a dead session fails here, unless it was replaced first
+        from django.db import connection as thread_connection
+
+        session = thread_connection.connection.info.backend_pid if thread_connection.vendor == "postgresql" else None
+        polls.setdefault(task_id, []).append((threading.current_thread(), session))
+        polled.set()
+        return row
+
+    def after_a_poll(self, ctx, step_id):
+        assert polled.wait(10), "the supervisor never polled"
+        return original(self, ctx, step_id)
+
+    monkeypatch.setattr(leases, "poll", poll)
+    monkeypatch.setattr(Growing, "run_step", after_a_poll)
+    runs = [services.task_create(type="test.growing", params={"items": 2}, limits={"max_subtasks": 1})
+            for _ in range(3)]
+    assert drive_inline(runs[0].pk, watched=True) == "completed"
+    (thread, session), = set(polls[runs[0].pk])
+    assert thread in step_threads.kept_threads()  # idle now, waiting for the next run
+
+    opened: list[threading.Thread] = []
+
+    def on_connect(sender, connection, **kwargs):
+        opened.append(threading.current_thread())
+
+    polled.clear()
+    connection_created.connect(on_connect)
+    try:
+        assert drive_inline(runs[1].pk, watched=True) == "completed"
+    finally:
+        connection_created.disconnect(on_connect)
+    assert set(polls[runs[1].pk]) == {(thread, session)}
+    if connection.vendor == "postgresql":  # SQLite's connections are not kept (CONN_MAX_AGE 0)
+        assert thread not in opened
+        with connection.cursor() as cursor:  # the idle thread's session dies
+            cursor.execute("SELECT pg_terminate_backend(%s)", [session])
+    polled.clear()
+    assert drive_inline(runs[2].pk, watched=True) == "completed"
+    assert {polled_on for polled_on, _ in polls[runs[2].pk]} == {thread}
+    assert thread in step_threads.kept_threads()
+    if connection.vendor == "postgresql":
+        assert session not in {s for _, s in polls[runs[2].pk]}  # replaced at the loop's start
