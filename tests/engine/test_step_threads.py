@@ -196,3 +196,54 @@ def test_a_runs_supervisor_polls_on_a_kept_thread_whose_connection_the_next_run_
     assert thread in step_threads.kept_threads()
     if connection.vendor == "postgresql":
         assert session not in {s for _, s in polls[runs[2].pk]}  # replaced at the loop's start
+
+
+def test_a_database_error_on_a_pool_thread_has_its_next_step_of_the_run_check_the_connection(settings,
+                                                                                              monkeypatch):
+    """step_threads.before_step's third case: a step whose query failed (the step went on) leaves
+    `errors_occurred` on its thread's connection; the next step on that thread checks it before
+    its first query, though the run is the same and no second has passed — then not again."""
+    from django.db import DatabaseError, connections
+
+    if connection.vendor != "postgresql":
+        pytest.skip("health checks are PostgreSQL's (CONN_HEALTH_CHECKS; SQLite's connections are not kept)")
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+    order: list[tuple[str, int, int]] = []  # (step, thread, checks on that thread before it)
+    checks: list[int] = []
+    original = Growing.run_step
+
+    def recording(self, ctx, step_id):
+        if step_id.startswith("item-"):
+            ident = threading.get_ident()
+            order.append((step_id, ident, checks.count(ident)))
+            if step_id == "item-0":
+                from django.db import connection as thread_connection
+
+                try:  # in autocommit: a rollback (the end of an atomic block) would clear the flag
+                    with thread_connection.cursor() as cursor:
+                        cursor.execute("SELECT no_such_column FROM orchestrator_task")
+                except DatabaseError:
+                    pass  # the step handles it and goes on; its connection remembers the error
+                assert thread_connection.errors_occurred
+        return original(self, ctx, step_id)
+
+    real_is_usable = type(connections["default"]).is_usable
+
+    def is_usable(self):
+        checks.append(threading.get_ident())
+        return real_is_usable(self)
+
+    monkeypatch.setattr(Growing, "run_step", recording)
+    monkeypatch.setattr(type(connections["default"]), "is_usable", is_usable)
+    # Not watched: every step runs on the pool (one thread), one after the other.
+    task = services.task_create(type="test.growing", params={"items": 4}, limits={"max_subtasks": 1})
+    assert drive_inline(task.pk) == "completed"
+    steps = [step for step, _, _ in order]
+    assert steps == ["item-0", "item-1", "item-2", "item-3"], order
+    (thread,) = {ident for _, ident, _ in order}
+    before = {step: seen for step, _, seen in order}
+    # item-0 ran after the thread's first check of the run (at `discover`); item-1 after one more
+    # (the error); item-2 and item-3 after none.
+    assert before["item-1"] == before["item-0"] + 1, order
+    assert before["item-3"] == before["item-2"] == before["item-1"], order
+    assert thread != threading.get_ident()
