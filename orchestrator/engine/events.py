@@ -12,7 +12,7 @@ from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from ..models import Task, TaskEvent
+from ..models import AuditEntry, Task, TaskEvent
 from . import row_changes
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def reserve_locked(task: Task, n: int = 1, *, saving=()) -> int:
     return task.event_seq
 
 
-def save_with_events(task: Task, appended: list[tuple[str, dict]], *, always=()) -> None:
+def save_with_events(task: Task, appended: list[tuple[str, dict]], *, always=(), audit: dict | None = None) -> None:
     """Save `task` (locked and read by the caller's transaction, then changed) and append
     `appended` ((kind, payload) in order), their seqs reserved by that same UPDATE: one
     statement fewer than a save then `append_event` (every status change). The copy's seq is
@@ -81,7 +81,7 @@ def save_with_events(task: Task, appended: list[tuple[str, dict]], *, always=())
     else:
         task.save(update_fields={*always, *changed, "event_seq", "updated_at"})
         row_changes.remember(task)  # a second change in the same transaction compares with this one
-    create_events(task, first, appended)
+    create_events(task, first, appended, audit=audit)
 
 
 def reserve_for_new(task: Task) -> int:
@@ -105,11 +105,12 @@ def create_event(task: Task, seq: int, kind: str, payload: dict) -> None:
     create_events(task, seq, [(kind, payload)])
 
 
-def create_events(task: Task, first_seq: int, appended: list[tuple[str, dict]]) -> None:
+def create_events(task: Task, first_seq: int, appended: list[tuple[str, dict]], *, audit: dict | None = None) -> None:
     """Insert events whose seqs, from `first_seq` on, the caller already reserved on the
     locked task row; listeners are woken once, for the last. One statement on PostgreSQL (the
     rows and the NOTIFY; written as SQL: the ORM's create cost more than the database's work
-    on every status change)."""
+    on every status change) — with `audit` (an AuditEntry's fields: a status change's entry),
+    that row too, where it was a statement of its own twice in every task's life."""
     seq = first_seq + len(appended) - 1
     created_at = connection.ops.adapt_datetimefield_value(timezone.now())
     rows = ", ".join(["(%s, %s, %s, %s, %s)"] * len(appended))
@@ -121,12 +122,29 @@ def create_events(task: Task, first_seq: int, appended: list[tuple[str, dict]]) 
             # NOTIFY is delivered by PostgreSQL at commit (never for a rolled-back transaction):
             # it wakes the web processes' LISTEN at once, with or without Redis. A data-modifying
             # WITH runs whether or not the query reads it.
-            cursor.execute(f"WITH inserted AS ({insert}) SELECT pg_notify(%s, %s)",
-                           [*params, NOTIFY_CHANNEL,
+            audited, audit_params = _audit_cte(audit) if audit is not None else ("", [])
+            cursor.execute(f"WITH inserted AS ({insert}){audited} SELECT pg_notify(%s, %s)",
+                           [*params, *audit_params, NOTIFY_CHANNEL,
                             f"{task.pk}:{seq}:{task.status}:{task.steps_done}:{task.steps_total}"])
         else:
             cursor.execute(insert, params)
+            if audit is not None:
+                AuditEntry.objects.create(**audit)
     transaction.on_commit(lambda: publish_hint(task.pk, seq, task.status, task.steps_done, task.steps_total))
+
+
+_AUDIT_FIELDS = ("actor", "actor_name", "at", "ip", "action", "task", "before", "after", "reason")
+
+
+def _audit_cte(audit: dict) -> tuple[str, list]:
+    """An AuditEntry's INSERT as a common table expression of create_events' statement: its
+    values prepared by the model's fields, as the ORM's create would."""
+    entry = AuditEntry(**{"at": timezone.now(), **audit})
+    fields = [AuditEntry._meta.get_field(name) for name in _AUDIT_FIELDS]
+    columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
+    values = [field.get_db_prep_save(getattr(entry, field.attname), connection) for field in fields]
+    return (f", audited AS (INSERT INTO {AuditEntry._meta.db_table} ({columns}) "
+            f"VALUES ({', '.join(['%s'] * len(fields))}))", values)
 
 
 def publish_hint(task_id: int, seq: int, status: str, steps_done: int, steps_total: int) -> None:

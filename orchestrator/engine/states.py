@@ -6,7 +6,7 @@ the task row locked, appends a `status` event to the progress log and an audit e
 from django.db import connection, transaction
 from django.utils import timezone
 
-from ..models import AuditEntry, Task, TaskStatus as S
+from ..models import Task, TaskStatus as S
 from ..notifications import notify_needs_human
 from . import approvals, inbox_counter, row_changes
 from .events import save_with_events
@@ -79,8 +79,13 @@ def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | N
         setattr(task, name, value)
     # The columns set here are written whatever they held; the caller's other changes to the
     # row are found by comparing it with the row as lock_task read it (row_changes).
+    # The change's audit entry is written with its events (one statement on PostgreSQL).
+    audit = {"actor": actor if actor is not None and getattr(actor, "is_authenticated", False) else None,
+             "actor_name": getattr(actor, "username", "") or "system", "ip": ip, "action": action or f"status:{to}",
+             "task": task, "before": {"status": before},
+             "after": {"status": to, **({"reason": reason} if reason else {})}, "reason": reason}
     save_with_events(task, [("status", {"from": before, "to": to, "reason": task.status_reason, **(extra or {})}),
-                            *then_events], always=TRANSITION_COLUMNS + tuple(fields))
+                            *then_events], always=TRANSITION_COLUMNS + tuple(fields), audit=audit)
     if to in TERMINAL:
         # An approval still open can never run now: revoked, so nobody decides it for nothing.
         approvals.revoke(task_id=task.pk, reason=f"the task {to}" + (f": {reason}" if reason else ""), actor=actor)
@@ -88,13 +93,6 @@ def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | N
         # In this transaction: the webhook deliveries are committed with the transition (the
         # email goes after the commit).
         notify_needs_human(task.pk, task.status_reason)
-    AuditEntry.objects.create(
-        actor=actor if actor is not None and getattr(actor, "is_authenticated", False) else None,
-        actor_name=getattr(actor, "username", "") or "system",
-        ip=ip, action=action or f"status:{to}", task=task,
-        before={"status": before}, after={"status": to, **({"reason": reason} if reason else {})},
-        reason=reason,
-    )
     return task
 
 

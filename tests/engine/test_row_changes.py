@@ -64,3 +64,32 @@ def test_a_row_read_without_lock_task_is_saved_whole():
         states.transition(locked, S.PAUSED, reason="held")
     row = Task.objects.get(pk=task.pk)
     assert (row.status, row.title) == (S.PAUSED, "read by the ORM")
+
+
+def test_a_status_changes_audit_entry_is_written_with_its_events_alike_on_either_database(make_user):
+    """states.transition's audit entry: on PostgreSQL a CTE of the events' statement (the change
+    is the row's UPDATE and one more statement), on SQLite the ORM's INSERT — the same row."""
+    from orchestrator.models import AuditEntry
+
+    olga = make_user("olga", "operator")
+    task = new_task()
+    with transaction.atomic():
+        locked = states.lock_task(task.pk)
+        with CaptureQueriesContext(connection) as queries:
+            states.transition(locked, S.PAUSED, reason="held for the audit", actor=olga, ip="203.0.113.9",
+                              action="task.pause")
+        states.transition(locked, S.QUEUED, reason="")  # no actor: the system's
+    written = [q["sql"] for q in queries.captured_queries]
+    if connection.vendor == "postgresql":
+        assert len(written) == 2 and "orchestrator_auditentry" in written[1], written
+    entries = list(AuditEntry.objects.filter(task=task).exclude(action="task.create").order_by("id")
+                   .values("actor_id", "actor_name", "ip", "action", "before", "after", "reason", "at"))
+    first, second = entries
+    assert {k: v for k, v in first.items() if k != "at"} == {
+        "actor_id": olga.pk, "actor_name": "olga", "ip": "203.0.113.9", "action": "task.pause",
+        "before": {"status": "queued"}, "after": {"status": "paused", "reason": "held for the audit"},
+        "reason": "held for the audit"}
+    assert {k: v for k, v in second.items() if k != "at"} == {
+        "actor_id": None, "actor_name": "system", "ip": None, "action": "status:queued",
+        "before": {"status": "paused"}, "after": {"status": "queued"}, "reason": ""}
+    assert first["at"] is not None and first["at"] <= second["at"]
