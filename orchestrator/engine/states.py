@@ -9,6 +9,7 @@ from django.utils import timezone
 from ..models import Task, TaskStatus as S
 from ..notifications import notify_needs_human
 from . import approvals, inbox_counter, row_changes
+from .audit import entry_fields
 from .events import save_with_events
 from ..primitives.errors import HarnessError
 
@@ -80,10 +81,8 @@ def transition(task: Task, to: str, *, reason: str = "", actor=None, ip: str | N
     # The columns set here are written whatever they held; the caller's other changes to the
     # row are found by comparing it with the row as lock_task read it (row_changes).
     # The change's audit entry is written with its events (one statement on PostgreSQL).
-    audit = {"actor": actor if actor is not None and getattr(actor, "is_authenticated", False) else None,
-             "actor_name": getattr(actor, "username", "") or "system", "ip": ip, "action": action or f"status:{to}",
-             "task": task, "before": {"status": before},
-             "after": {"status": to, **({"reason": reason} if reason else {})}, "reason": reason}
+    audit = entry_fields(action=action or f"status:{to}", actor=actor, ip=ip, task=task, before={"status": before},
+                         after={"status": to, **({"reason": reason} if reason else {})}, reason=reason)
     save_with_events(task, [("status", {"from": before, "to": to, "reason": task.status_reason, **(extra or {})}),
                             *then_events], always=TRANSITION_COLUMNS + tuple(fields), audit=audit)
     if to in TERMINAL:

@@ -201,24 +201,23 @@ def test_a_runs_supervisor_polls_on_a_kept_thread_whose_connection_the_next_run_
 def test_a_database_error_on_a_pool_thread_has_its_next_step_of_the_run_check_the_connection(settings,
                                                                                               monkeypatch):
     """step_threads.before_step's third case: a step whose query failed (the step went on) leaves
-    `errors_occurred` on its thread's connection; the next step on that thread checks it before
-    its first query, though the run is the same and no second has passed — then not again."""
-    from django.db import DatabaseError, connections
+    `errors_occurred` on its thread's connection; the next step on that thread has it checked
+    (close_old_connections: Django tries the connection and clears the flag) though the run is
+    the same and no second has passed — and the steps after it do not."""
+    from django.db import DatabaseError
 
-    if connection.vendor != "postgresql":
-        pytest.skip("health checks are PostgreSQL's (CONN_HEALTH_CHECKS; SQLite's connections are not kept)")
     settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
-    order: list[tuple[str, int, int]] = []  # (step, thread, checks on that thread before it)
+    order: list[tuple[str, int, int, bool]] = []  # (step, thread, checks on that thread before it, flag at its start)
     checks: list[int] = []
-    original = Growing.run_step
+    original, real_close_old = Growing.run_step, step_threads.close_old_connections
 
     def recording(self, ctx, step_id):
+        from django.db import connection as thread_connection
+
         if step_id.startswith("item-"):
             ident = threading.get_ident()
-            order.append((step_id, ident, checks.count(ident)))
+            order.append((step_id, ident, checks.count(ident), thread_connection.errors_occurred))
             if step_id == "item-0":
-                from django.db import connection as thread_connection
-
                 try:  # in autocommit: a rollback (the end of an atomic block) would clear the flag
                     with thread_connection.cursor() as cursor:
                         cursor.execute("SELECT no_such_column FROM orchestrator_task")
@@ -227,23 +226,24 @@ def test_a_database_error_on_a_pool_thread_has_its_next_step_of_the_run_check_th
                 assert thread_connection.errors_occurred
         return original(self, ctx, step_id)
 
-    real_is_usable = type(connections["default"]).is_usable
-
-    def is_usable(self):
+    def close_old_connections():
         checks.append(threading.get_ident())
-        return real_is_usable(self)
+        real_close_old()
 
     monkeypatch.setattr(Growing, "run_step", recording)
-    monkeypatch.setattr(type(connections["default"]), "is_usable", is_usable)
-    # Not watched: every step runs on the pool (one thread), one after the other.
-    task = services.task_create(type="test.growing", params={"items": 4}, limits={"max_subtasks": 1})
+    monkeypatch.setattr(step_threads, "close_old_connections", close_old_connections)
+    monkeypatch.setattr(step_threads, "IDLE_CHECK_SECONDS", 60)  # a slow machine's gaps between steps are not idle
+    # Not watched: every step runs on the pool (one thread), one after the other; no effects (an
+    # effect's transaction would end with a commit, which clears the flag too).
+    task = services.task_create(type="test.growing", params={"items": 4, "effects": False},
+                                limits={"max_subtasks": 1})
     assert drive_inline(task.pk) == "completed"
-    steps = [step for step, _, _ in order]
-    assert steps == ["item-0", "item-1", "item-2", "item-3"], order
-    (thread,) = {ident for _, ident, _ in order}
-    before = {step: seen for step, _, seen in order}
-    # item-0 ran after the thread's first check of the run (at `discover`); item-1 after one more
-    # (the error); item-2 and item-3 after none.
-    assert before["item-1"] == before["item-0"] + 1, order
-    assert before["item-3"] == before["item-2"] == before["item-1"], order
+    assert [step for step, *_ in order] == ["item-0", "item-1", "item-2", "item-3"], order
+    (thread,) = {ident for _, ident, _, _ in order}
     assert thread != threading.get_ident()
+    before = {step: seen for step, _, seen, _ in order}
+    # `discover` was the thread's first step of the run (checked then); item-0 was not checked,
+    # item-1 was (the error), item-2 and item-3 were not.
+    assert before["item-0"] == 1, order
+    assert before["item-1"] == 2 and before["item-2"] == 2 and before["item-3"] == 2, order
+    assert not any(flag for *_, flag in order), order  # item-1 started with the flag cleared by its check
