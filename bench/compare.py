@@ -200,13 +200,21 @@ def section_ours(bench: Bench, steps: int) -> list[Figures]:
 
 # --- DBOS --------------------------------------------------------------------------------
 
+def dbos_database(pg) -> str:
+    return os.environ.get("BENCH_DBOS_DATABASE", f"{pg.database}_dbos_sys")
+
+
+def langgraph_database(pg) -> str:
+    return os.environ.get("BENCH_LANGGRAPH_DATABASE", f"{pg.database}_langgraph")
+
+
 def section_dbos(bench: Bench, steps: int) -> Figures | None:
     try:
         from dbos import DBOS
     except ImportError:
         print(f"DBOS: skipped, the bench extra is not installed: {INSTALL_HINT}")
         return None
-    database = os.environ.get("BENCH_DBOS_DATABASE", f"{bench.pg.database}_dbos_sys")
+    database = dbos_database(bench.pg)
     bench.pg.ensure_database(database)
 
     @DBOS.step()
@@ -283,7 +291,7 @@ def section_langgraph(bench: Bench, steps: int, durability: str) -> Figures | No
         print(f"LangGraph: skipped, the bench extra is not installed: {INSTALL_HINT}")
         return None
     shape = os.environ.get("BENCH_LANGGRAPH_SHAPE", "loop")
-    database = os.environ.get("BENCH_LANGGRAPH_DATABASE", f"{bench.pg.database}_langgraph")
+    database = langgraph_database(bench.pg)
     bench.pg.ensure_database(database)
 
     def invoke(graph, n):
@@ -637,7 +645,11 @@ def main(argv=None):
     runs = max(1, env_int("BENCH_RUNS", 3))
     side = [s for s in ("ours", "dbos", "langgraph") if s in sections]
     report = Report(runs=runs, steps=steps, machine=machine_line(version))
+    databases = [pg.database, dbos_database(pg), langgraph_database(pg)]
     for run in range(1, runs + 1):
+        if pg.vacuum_when_autovacuum_is_off(databases):
+            print(f"\n(run {run}: this server runs no autovacuum; VACUUM ANALYZE of {', '.join(databases)} first, "
+                  "as autovacuum would have done)")
         if side:
             print(f"\n== Side by side, run {run} of {runs}: {steps} trivial steps in one workflow/graph/task, "
                   "run in this process ==")

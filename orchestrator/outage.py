@@ -5,9 +5,10 @@ watchdog, live tailer): one log line when the database goes away and one when it
 Django only health-checks persistent connections at the start of a request; a loop that
 never ends a request must do it itself, or it keeps a dead connection forever."""
 import logging
+import threading
 import time
 
-from django.db import InterfaceError, OperationalError, connection
+from django.db import InterfaceError, OperationalError, close_old_connections, connection
 
 # What a lost or refused database connection raises (not a constraint violation or a bug).
 DATABASE_DOWN = (OperationalError, InterfaceError)
@@ -64,6 +65,33 @@ def reset_connection() -> None:
         connection.close()
     except Exception:  # closing a dead socket can fail too; Django forgets it either way
         pass
+
+
+# A thread's connection is health-checked (CONN_HEALTH_CHECKS: a `SELECT 1` before its next query)
+# when it sat idle this long, not before every unit of work of a busy loop: a worker's delivery,
+# its broker's polls and acknowledgements, an executor's next run and a pool thread's next step each
+# checked it — four to five round trips per three-step task, ~10% of the workers' CPU with 1,000
+# tasks in flight (py-spy, bench/compare.py --only latency). A session that breaks between two
+# uses closer than this fails the later one, which its caller retries on a new connection.
+IDLE_CHECK_SECONDS = 1.0
+_last_check = threading.local()
+
+
+def check_connection_if_idle(*, force: bool = False) -> None:
+    """Before a unit of work on this thread: Django's close_old_connections (the connection
+    replaced if broken, expired or left outside autocommit; health-checked at its next query) if
+    it sat idle for IDLE_CHECK_SECONDS, an error occurred on it, or `force`; otherwise nothing,
+    and no ping even if Django's own hooks (django-q2's before each task) asked for one."""
+    now = time.monotonic()
+    last = getattr(_last_check, "at", None)
+    fresh = (not force and last is not None and now - last < IDLE_CHECK_SECONDS
+             and connection.connection is not None and not connection.errors_occurred
+             and connection.autocommit and (connection.close_at is None or now < connection.close_at))
+    if fresh:
+        connection.health_check_done = True  # Django's flag: the ping its hooks asked for is not needed
+    else:
+        close_old_connections()
+    _last_check.at = now
 
 
 def retry_while_down(attempt, *, seconds: float, logger: logging.Logger, what: str, extra: dict | None = None,

@@ -25,6 +25,8 @@ from django_q.brokers.orm import ORM
 from django_q.conf import Conf
 from django_q.models import OrmQ
 
+from ..outage import DATABASE_DOWN, check_connection_if_idle, reset_connection
+
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +122,25 @@ class OrderedORM(ORM):
                 continue
         return self.enqueue(package)  # never first: at the back, as any message
 
+    @staticmethod
+    def get_connection(list_key: str = None):
+        """django-q2's, without a health ping before each statement: its version closes old
+        connections on every call (a dequeue pinged before its read and before each row's claim,
+        an acknowledgement before its delete); here the connection is checked when it sat idle,
+        and a statement that finds it broken is retried once on a new one (`_once_more`)."""
+        alias = Conf.ORM or DEFAULT_DB_ALIAS
+        if alias == DEFAULT_DB_ALIAS and transaction.get_autocommit(using=alias):
+            check_connection_if_idle()
+            return OrmQ.objects.using(alias)
+        return ORM.get_connection(list_key)
+
     def dequeue(self):
+        return _once_more(self._dequeue)
+
+    def delete(self, task_id):
+        return _once_more(lambda: super(OrderedORM, self).delete(task_id))
+
+    def _dequeue(self):
         # As django-q2's ORM.dequeue, with the order: take each row with a compare-and-set on its
         # lock (another cluster may have been faster).
         rows = self.get_connection().filter(key=self.list_key, lock__lt=timezone.now()).order_by("id")[:Conf.BULK]
@@ -131,3 +151,15 @@ class OrderedORM(ORM):
         if taken:
             return taken
         self.wait_for_message(Conf.POLL)  # an empty queue: spare the CPU
+
+
+def _once_more(attempt):
+    """`attempt()`, and once more on a new connection if the first found its session broken (not
+    health-checked: it was used less than outage.IDLE_CHECK_SECONDS ago). A database that is down
+    fails the second try too, as django-q2's pusher and monitor expect. Rows a broken dequeue had
+    claimed come back after Q_CLUSTER's `retry`, as a dead cluster's do."""
+    try:
+        return attempt()
+    except DATABASE_DOWN:
+        reset_connection()
+        return attempt()

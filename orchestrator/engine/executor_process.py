@@ -27,11 +27,12 @@ import signal
 import threading
 import time
 
-from django.db import close_old_connections, connections
+from django.db import connections
 
 from .. import telemetry
 from ..conf import harness
 from ..models import TaskStatus
+from ..outage import check_connection_if_idle
 from ..tools import mcp
 from . import processes, step_threads
 from .lease import LEASE_LOST, Lease
@@ -223,7 +224,9 @@ def _serve(lease_read: int, report_write: int, keep_connections: bool) -> None:
             while line := leases.readline():
                 runs += 1
                 if runs > 1:
-                    close_old_connections()  # a session broken since the last run is replaced
+                    # A session broken since the last run is replaced (checked if it sat idle; one broken
+                    # sooner fails the run's first read, which retry_while_down retries on a new one).
+                    check_connection_if_idle()
                     processes.reap_children()  # subprocesses of the last run, killed by the watchdog
                 lease = Lease(**json.loads(line))
                 try:

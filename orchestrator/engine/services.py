@@ -12,7 +12,7 @@ from ..conf import harness
 from ..models import InboundEvent, Step, StepStatus, Task, TaskStatus as S
 from ..tasktypes import get_type
 from . import actions, approvals, inbox, recovery, scheduler, states, verbs
-from .audit import audit
+from .audit import audit, entry_fields
 from . import events
 from .checkpoint import plan_from, skip_steps, snapshot_now
 from .step_rows import plan_rows
@@ -108,9 +108,11 @@ def task_create(*, type: str, params: dict, limits: dict | None = None, title: s
         seq = events.reserve_for_new(task)
         scheduler.enqueue_new(task)
         task.save(force_insert=True)
-        events.create_event(task, seq, "created", {"type": type, "params": clean_params})
-        audit(action="task.create", actor=actor, ip=ip, task=task,
-              after={"type": type, "params": clean_params, "limits": clean_limits})
+        # Its creation's audit entry written by the event's statement (on PostgreSQL; a statement
+        # of its own on SQLite): one round trip fewer for every task created.
+        events.create_events(task, seq, [("created", {"type": type, "params": clean_params})],
+                             audit=entry_fields(action="task.create", actor=actor, ip=ip, task=task,
+                                                after={"type": type, "params": clean_params, "limits": clean_limits}))
         if granted:
             audit(action="task.grant", actor=actor, ip=ip, task=task, reason="granted beyond the safe defaults",
                   after=granted)

@@ -18,11 +18,12 @@ forked executor never takes its parent's pools (they are kept per process id).
 """
 import os
 import threading
-import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from django.db import close_old_connections, connection
+from django.db import connection
+
+from ..outage import check_connection_if_idle
 
 # Idle pools kept per size: one per run going on at once in this process is enough to reuse;
 # past that a pool given back is closed (its connections too).
@@ -87,24 +88,20 @@ def _then_idle(function, pool: ThreadPoolExecutor):
 
 
 # A pool thread's connection is checked (CONN_HEALTH_CHECKS: a `SELECT 1`) before its first step of
-# a run, after it sat idle this long, or after a database error on it — not before every step: in
-# an agent's turn the check was a round trip on each tool call's thread, ~1 ms beside the others.
-IDLE_CHECK_SECONDS = 1.0
+# a run, after it sat idle (outage.IDLE_CHECK_SECONDS), or after a database error on it — not before
+# every step: in an agent's turn the check was a round trip on each tool call's thread, ~1 ms beside
+# the others.
 _checked = threading.local()
 
 
 def before_step(run) -> None:
     """On a pool thread, before a step of `run`: replace its connection if it may have gone stale
-    (close_old_connections) — at the run's first step on this thread, after an idle second, or
-    after an error on it. A database restarted between two steps of a run, a second apart at most,
-    fails the later step once (its retry finds the connection checked)."""
-    now = time.monotonic()
+    (outage.check_connection_if_idle, forced at the run's first step on this thread). A database
+    restarted between two steps of a run, a second apart at most, fails the later step once (its
+    retry finds the connection checked)."""
     last = getattr(_checked, "run", None)  # a weak reference: an idle thread must not keep a run's state
-    fresh = (last is not None and last() is run and now - _checked.at < IDLE_CHECK_SECONDS
-             and not connection.errors_occurred)
-    if not fresh:
-        close_old_connections()
-    _checked.run, _checked.at = weakref.ref(run), now
+    check_connection_if_idle(force=last is None or last() is not run)
+    _checked.run = weakref.ref(run)
 
 
 def kept_threads() -> set[threading.Thread]:

@@ -10,6 +10,7 @@ from django.utils import timezone
 from django_q.models import OrmQ
 
 from orchestrator.engine.brokers import OrderedORM
+from tests.support.helpers import terminate_this_threads_session
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -118,3 +119,53 @@ def test_an_idle_broker_on_postgresql_wakes_when_a_message_is_sent_not_at_its_ne
         waiting.close_listener()
     assert woke_after < 30, f"woke after {woke_after:.1f} s: at the poll's end, not at the message"
     assert waiting.dequeue()[0][1] == "wake-up"
+
+
+def _pings(monkeypatch) -> list[int]:
+    """The health checks (Django's `is_usable`: a `SELECT 1`) made from here on."""
+    from django.db import connections
+
+    pings: list[int] = []
+    real = type(connections["default"]).is_usable
+
+    def is_usable(self):
+        pings.append(1)
+        return real(self)
+
+    monkeypatch.setattr(type(connections["default"]), "is_usable", is_usable)
+    return pings
+
+
+def test_a_busy_broker_does_not_ping_the_database_before_each_statement_and_retries_one_a_broken_session_fails(
+        monkeypatch):
+    """OrderedORM.get_connection: django-q2's pinged (`SELECT 1`) before a dequeue's read, before
+    each row's claim and before an acknowledgement's delete. Here a connection used less than
+    outage.IDLE_CHECK_SECONDS ago is not pinged; a session that broke meanwhile fails its statement,
+    which is retried once on a new connection — the message is still delivered and acknowledged,
+    and the pusher (which stops for 10 s on an error) never sees it."""
+    if connection.vendor != "postgresql":
+        pytest.skip("health checks are PostgreSQL's (CONN_HEALTH_CHECKS; SQLite's connections are not kept)")
+    from orchestrator import outage
+
+    monkeypatch.setattr(outage, "IDLE_CHECK_SECONDS", 60)  # a slow machine's gaps are not idle
+    broker = OrderedORM(list_key=KEY)
+    ids = [broker.enqueue(f"m-{i}") for i in range(4)]
+    broker.dequeue()  # the first use on this thread: checked
+    pings = _pings(monkeypatch)
+    assert [pk for pk, _ in broker.dequeue()] == [ids[1]]
+    broker.acknowledge(ids[0])
+    broker.acknowledge(ids[1])
+    assert pings == []  # fails with django-q2's get_connection: a ping before each statement
+    terminate_this_threads_session()
+    assert broker.dequeue() == [(ids[2], "m-2")]  # its read failed, then ran on a new session
+    terminate_this_threads_session()
+    broker.acknowledge(ids[2])
+    assert set(OrmQ.objects.filter(key=KEY).values_list("pk", flat=True)) == {ids[3]}
+    # A connection left with an error is checked before its next use.
+    with pytest.raises(Exception):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT no_such_column FROM django_q_ormq")
+    assert connection.errors_occurred
+    assert broker.dequeue() == [(ids[3], "m-3")]
+    assert pings == [1]
+

@@ -93,3 +93,24 @@ def test_a_status_changes_audit_entry_is_written_with_its_events_alike_on_either
         "actor_id": None, "actor_name": "system", "ip": None, "action": "status:queued",
         "before": {"status": "paused"}, "after": {"status": "queued"}, "reason": ""}
     assert first["at"] is not None and first["at"] <= second["at"]
+
+
+def test_a_task_creations_audit_entry_is_written_with_its_event_alike_on_either_database(make_user):
+    """services.task_create: the creation's audit entry is a CTE of its `created` event's statement
+    on PostgreSQL (no INSERT of its own), the ORM's INSERT after the event on SQLite — the same row."""
+    from orchestrator.models import AuditEntry, TaskEvent
+
+    olga = make_user("olga", "operator")
+    with CaptureQueriesContext(connection) as queries:
+        task = services.task_create(type="demo.migrate_rows", params={"rows": 10, "batch_size": 5, "rate": 1.0},
+                                    actor=olga, ip="203.0.113.9")
+    written = [q["sql"] for q in queries.captured_queries]
+    if connection.vendor == "postgresql":
+        assert not any(sql.startswith('INSERT INTO "orchestrator_auditentry"') for sql in written), written
+        assert [sql for sql in written if "orchestrator_auditentry" in sql and "orchestrator_taskevent" in sql], written
+    (entry,) = AuditEntry.objects.filter(task=task).values("actor_id", "actor_name", "ip", "action", "after", "at")
+    assert {k: v for k, v in entry.items() if k != "at"} == {
+        "actor_id": olga.pk, "actor_name": "olga", "ip": "203.0.113.9", "action": "task.create",
+        "after": {"type": "demo.sleep", "params": task.params, "limits": task.limits}}
+    assert entry["at"] is not None
+    assert list(TaskEvent.objects.filter(task=task).values_list("seq", "kind")) == [(1, "created")]

@@ -8,6 +8,7 @@ import threading
 import pytest
 from django.db import connection
 
+from orchestrator import outage
 from orchestrator.engine import services, step_threads
 from orchestrator.engine.worker import drive_inline
 from tests.support.testtypes import Growing
@@ -209,7 +210,7 @@ def test_a_database_error_on_a_pool_thread_has_its_next_step_of_the_run_check_th
     settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
     order: list[tuple[str, int, int, bool]] = []  # (step, thread, checks on that thread before it, flag at its start)
     checks: list[int] = []
-    original, real_close_old = Growing.run_step, step_threads.close_old_connections
+    original, real_close_old = Growing.run_step, outage.close_old_connections
 
     def recording(self, ctx, step_id):
         from django.db import connection as thread_connection
@@ -231,8 +232,8 @@ def test_a_database_error_on_a_pool_thread_has_its_next_step_of_the_run_check_th
         real_close_old()
 
     monkeypatch.setattr(Growing, "run_step", recording)
-    monkeypatch.setattr(step_threads, "close_old_connections", close_old_connections)
-    monkeypatch.setattr(step_threads, "IDLE_CHECK_SECONDS", 60)  # a slow machine's gaps between steps are not idle
+    monkeypatch.setattr(outage, "close_old_connections", close_old_connections)
+    monkeypatch.setattr(outage, "IDLE_CHECK_SECONDS", 60)  # a slow machine's gaps between steps are not idle
     # Not watched: every step runs on the pool (one thread), one after the other; no effects (an
     # effect's transaction would end with a commit, which clears the flag too).
     task = services.task_create(type="test.growing", params={"items": 4, "effects": False},
@@ -247,3 +248,23 @@ def test_a_database_error_on_a_pool_thread_has_its_next_step_of_the_run_check_th
     assert before["item-0"] == 1, order
     assert before["item-1"] == 2 and before["item-2"] == 2 and before["item-3"] == 2, order
     assert not any(flag for *_, flag in order), order  # item-1 started with the flag cleared by its check
+
+
+def test_a_worker_claims_on_a_session_broken_since_its_last_delivery(settings):
+    """worker.drive_task does not ping the database before each delivery
+    (outage.check_connection_if_idle): a session broken less than a second after the last one
+    fails the claim, which is retried on a new connection — the task runs, nothing is lost."""
+    from orchestrator.engine.worker import drive_task
+    from orchestrator.models import Task
+    from tests.support.helpers import terminate_this_threads_session
+
+    if connection.vendor != "postgresql":
+        pytest.skip("health checks are PostgreSQL's (CONN_HEALTH_CHECKS; SQLite's connections are not kept)")
+    settings.ORCH_ISOLATE_EXECUTION = False  # run in this process, on this thread's connection
+    settings.ORCH_EXTRA_TASK_TYPES = ["tests.support.testtypes"]
+    first = services.task_create(type="test.growing", params={"items": 1}, limits={"max_subtasks": 1})
+    assert drive_task(first.pk) == "completed"
+    second = services.task_create(type="test.growing", params={"items": 1}, limits={"max_subtasks": 1})
+    terminate_this_threads_session()
+    assert drive_task(second.pk) == "completed"
+    assert Task.objects.get(pk=second.pk).status == "completed"

@@ -122,3 +122,16 @@ def standin_for_this_process(settings, *, model: str = "standin-planner", token_
 CONTRACTS_GOAL = "Parse the 5 contracts and email a summary to ops@example.org"
 CONTRACTS_TOOLS = {"tools": ["contracts_list", "contracts_read", "memory_search", "email_send"],
                    "approval_waived": ["email_send"]}
+
+
+def terminate_this_threads_session() -> None:
+    """What a database restart does to this thread's PostgreSQL connection: its server process
+    ends, ended by another session (the client sees it only at its next statement)."""
+    import psycopg
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        pid = cursor.fetchone()[0]
+    with psycopg.connect(**connection.get_connection_params(), autocommit=True) as other:
+        other.execute("SELECT pg_terminate_backend(%s)", [pid])
