@@ -79,15 +79,18 @@ _last_check = threading.local()
 
 def check_connection_if_idle(*, force: bool = False) -> None:
     """Before a unit of work on this thread: Django's close_old_connections (the connection
-    replaced if broken, expired or left outside autocommit; health-checked at its next query) if
-    it sat idle for IDLE_CHECK_SECONDS, an error occurred on it, or `force`; otherwise nothing,
-    and no ping even if Django's own hooks (django-q2's before each task) asked for one."""
+    replaced if broken, past CONN_MAX_AGE or left outside autocommit; health-checked at its next
+    query) if it sat idle for IDLE_CHECK_SECONDS, an error occurred on it, or `force`; otherwise
+    nothing, and no ping even if Django's own hooks (django-q2's before each task) asked for one.
+    So a busy thread keeps its connection past CONN_MAX_AGE until its first idle second (SQLite's,
+    CONN_MAX_AGE 0, too: reopened after an idle second, not before every unit of work)."""
     now = time.monotonic()
     last = getattr(_last_check, "at", None)
     fresh = (not force and last is not None and now - last < IDLE_CHECK_SECONDS
-             and connection.connection is not None and not connection.errors_occurred
-             and connection.autocommit and (connection.close_at is None or now < connection.close_at))
-    if fresh:
+             and not connection.errors_occurred and connection.autocommit)
+    if connection.connection is None:
+        pass  # none open: the next query opens one (nothing to check or close)
+    elif fresh:
         connection.health_check_done = True  # Django's flag: the ping its hooks asked for is not needed
     else:
         close_old_connections()

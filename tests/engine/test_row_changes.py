@@ -111,6 +111,6 @@ def test_a_task_creations_audit_entry_is_written_with_its_event_alike_on_either_
     (entry,) = AuditEntry.objects.filter(task=task).values("actor_id", "actor_name", "ip", "action", "after", "at")
     assert {k: v for k, v in entry.items() if k != "at"} == {
         "actor_id": olga.pk, "actor_name": "olga", "ip": "203.0.113.9", "action": "task.create",
-        "after": {"type": "demo.sleep", "params": task.params, "limits": task.limits}}
+        "after": {"type": "demo.migrate_rows", "params": task.params, "limits": task.limits}}
     assert entry["at"] is not None
     assert list(TaskEvent.objects.filter(task=task).values_list("seq", "kind")) == [(1, "created")]
