@@ -140,8 +140,9 @@ def compact(task: Task, current_state: dict) -> None:
     version, keep = task.checkpoint_version, max(1, harness.snapshot_keep or 1)
     first = max(1, version - keep + 1)
     table = Snapshot._meta.db_table
-    # At the end of every run: three statements in SQL (a read, the rewrite, the prune) where
-    # the ORM's were five and the biggest single cost of a short task's run.
+    # At the end of every run: two statements on PostgreSQL (a read; the rewrite and the prune as
+    # one), three on SQLite, where the ORM's were five and the biggest single cost of a short
+    # task's run.
     with connection.cursor() as cursor:
         # One read: the kept versions and the full row at or below the oldest one that their
         # deltas build on.
@@ -157,10 +158,24 @@ def compact(task: Task, current_state: dict) -> None:
         # The deltas made full: one statement (psycopg sends them as one pipeline).
         made_full = [(json.dumps(state), True, existing[v][0]) for v, state in states.items()
                      if v in existing and not existing[v][1]]
-        if made_full:
-            cursor.executemany(f'UPDATE {table} SET state = %s, "full" = %s WHERE id = %s', made_full)
-        if harness.snapshot_keep:
-            cursor.execute(f"DELETE FROM {table} WHERE task_id = %s AND version < %s", [task.pk, first])
+        if connection.vendor == "postgresql" and (made_full or harness.snapshot_keep):
+            # One round trip: the rows made full (one array parameter each for ids and states) and the prune.
+            rewrite = (f'UPDATE {table} AS kept SET state = made.state::jsonb, "full" = true '
+                       f"FROM unnest(%s::bigint[], %s::text[]) AS made(id, state) WHERE kept.id = made.id")
+            prune = f"DELETE FROM {table} WHERE task_id = %s AND version < %s"
+            parts, values = [], []
+            if made_full:
+                parts.append(f"rewritten AS ({rewrite})")
+                values += [[pk for _, _, pk in made_full], [state for state, _, _ in made_full]]
+            if harness.snapshot_keep:
+                parts.append(f"pruned AS ({prune})")
+                values += [task.pk, first]
+            cursor.execute(f"WITH {', '.join(parts)} SELECT 1", values)
+        else:
+            if made_full:
+                cursor.executemany(f'UPDATE {table} SET state = %s, "full" = %s WHERE id = %s', made_full)
+            if harness.snapshot_keep:
+                cursor.execute(f"DELETE FROM {table} WHERE task_id = %s AND version < %s", [task.pk, first])
     # The versions without a row (rare: written before deltas existed, or pruned meanwhile).
     Snapshot.objects.bulk_create([Snapshot(task_id=task.pk, version=v, state=state, full=True)
                                   for v, state in states.items() if v not in existing])

@@ -163,3 +163,41 @@ def test_a_commit_that_adds_steps_leaves_the_same_rows_on_either_database_in_one
     event = TaskEvent.objects.get(task_id=task.pk, kind="step_done")
     assert event.payload["steps_total"] == Task.objects.get(pk=task.pk).steps_total == 5
     assert list(plan.depends_on["extra-b"]) == ["extra-a"] and plan.status["extra-a"] == "pending"
+
+
+def test_a_runs_snapshot_compaction_leaves_the_same_rows_on_either_database_in_two_statements_on_postgresql(settings):
+    """snapshots.compact at a run's end: the last ORCH_SNAPSHOT_KEEP versions become full rows and
+    older ones go — on PostgreSQL a read and one statement for the rewrite and the prune."""
+    from django.db import connection, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    settings.ORCH_SNAPSHOT_KEEP = 3
+    task = services.task_create(type="demo.migrate_rows", params={"rows": 200, "batch_size": 50, "rate": 1.0})
+    lease = leases.claim(task.pk)
+    task_type = get_type(task.type)
+    plan = checkpoint.ensure_plan(lease=lease, task_type=task_type, params=task_type.Params.model_validate(task.params))
+    started = timezone.now() - timedelta(seconds=1)
+    for step_id in ("prepare-source", "batch-0001", "batch-0002", "batch-0003", "batch-0004"):
+        checkpoint.commit_step(lease=lease, plan=plan, step_id=step_id, result={"step": step_id}, reads=[],
+                               effects=[], started_at=started, tokens_used=1, active_seconds=0.5)
+    assert list(Snapshot.objects.filter(task_id=task.pk).order_by("version").values_list("version", "full")) == [
+        (1, True), (2, False), (3, False), (4, False), (5, False), (6, False)]
+    with transaction.atomic():
+        locked = leases.lock_fenced(lease)
+        with CaptureQueriesContext(connection) as queries:
+            checkpoint.compact_snapshots(locked, plan)
+    if connection.vendor == "postgresql":
+        assert len(queries.captured_queries) == 2, [q["sql"] for q in queries.captured_queries]
+    kept = list(Snapshot.objects.filter(task_id=task.pk).order_by("version").values("version", "full", "state"))
+    assert kept == EXPECTED_COMPACTED
+
+
+def _full_state(done: int) -> dict:
+    names = ["prepare-source", "batch-0001", "batch-0002", "batch-0003", "batch-0004"]
+    return {"params": {"rows": 200, "batch_size": 50, "rate": 1.0},
+            "limits": {"max_steps": 100000, "max_tokens": 10000000, "max_seconds": 86400.0, "max_subtasks": 4},
+            "status": "running", "steps": {name: "done" if i < done else "pending" for i, name in enumerate(names)},
+            "counters": {"steps_done": done, "tokens_used": done, "active_seconds": 0.5 * done}, "stack": []}
+
+
+EXPECTED_COMPACTED = [{"version": v, "full": True, "state": _full_state(v - 1)} for v in (4, 5, 6)]
