@@ -50,7 +50,9 @@ def test_the_next_run_in_the_process_runs_its_parallel_steps_on_kept_threads_and
     assert seen[second.pk] & alive
     assert len(seen[first.pk] | seen[second.pk]) <= 3
     if connection.vendor == "postgresql":  # SQLite's connections are not kept (CONN_MAX_AGE 0)
-        assert not set(connects) & seen[second.pk] & alive  # ... with the connections they had open
+        # ... with the connections they had open: a thread that ran an item of the first run (a
+        # kept thread that ran none there may have had none yet: CI saw one open it in the second).
+        assert not set(connects) & seen[second.pk] & seen[first.pk]
 
 
 def test_a_pool_whose_steps_were_abandoned_is_not_reused():
