@@ -155,14 +155,14 @@ def compact(task: Task, current_state: dict) -> None:
                    for _, row_version, full, state in rows)
         states = {v: state for v, state in forward(decoded) if v >= first}
         states[version] = current_state
-        # The deltas made full: one statement (psycopg sends them as one pipeline).
+        # The deltas made full, and the versions older than the kept ones pruned.
         made_full = [(json.dumps(state), True, existing[v][0]) for v, state in states.items()
                      if v in existing and not existing[v][1]]
+        prune = f"DELETE FROM {table} WHERE task_id = %s AND version < %s"
         if connection.vendor == "postgresql" and (made_full or harness.snapshot_keep):
             # One round trip: the rows made full (one array parameter each for ids and states) and the prune.
             rewrite = (f'UPDATE {table} AS kept SET state = made.state::jsonb, "full" = true '
                        f"FROM unnest(%s::bigint[], %s::text[]) AS made(id, state) WHERE kept.id = made.id")
-            prune = f"DELETE FROM {table} WHERE task_id = %s AND version < %s"
             parts, values = [], []
             if made_full:
                 parts.append(f"rewritten AS ({rewrite})")
@@ -172,10 +172,10 @@ def compact(task: Task, current_state: dict) -> None:
                 values += [task.pk, first]
             cursor.execute(f"WITH {', '.join(parts)} SELECT 1", values)
         else:
-            if made_full:
+            if made_full:  # psycopg sends them as one pipeline
                 cursor.executemany(f'UPDATE {table} SET state = %s, "full" = %s WHERE id = %s', made_full)
             if harness.snapshot_keep:
-                cursor.execute(f"DELETE FROM {table} WHERE task_id = %s AND version < %s", [task.pk, first])
+                cursor.execute(prune, [task.pk, first])
     # The versions without a row (rare: written before deltas existed, or pruned meanwhile).
     Snapshot.objects.bulk_create([Snapshot(task_id=task.pk, version=v, state=state, full=True)
                                   for v, state in states.items() if v not in existing])
