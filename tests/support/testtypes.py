@@ -1,6 +1,7 @@
 """Task types for the interruption and limit tests (loaded with ORCH_EXTRA_TASK_TYPES)."""
 import os
 import sys
+import threading
 import time
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -75,8 +76,18 @@ class Interruptible(TaskType):
             if ctx.params.tokens_per_step:
                 ctx.use_tokens(ctx.params.tokens_per_step)
             if ctx.params.subtasks and ctx.params.subtasks > 0 and ctx.params.url == "spawn":
-                futures = [ctx.spawn(lambda sub: sub.sleep(0.05), name=f"{step_id}/s{i}")
-                           for i in range(ctx.params.subtasks)]
+                # Each subtask holds until every one is spawned, so that they are all live at
+                # once however slowly the threads are scheduled (a loaded CI machine once let the
+                # first finish its 50 ms before the third was spawned). When a spawn is over the
+                # limit, the step ends and its token cancels the ones waiting.
+                all_spawned = threading.Event()
+
+                def hold(sub):
+                    while not all_spawned.is_set():
+                        sub.sleep(0.01)
+
+                futures = [ctx.spawn(hold, name=f"{step_id}/s{i}") for i in range(ctx.params.subtasks)]
+                all_spawned.set()
                 for f in futures:
                     f.result()
         return {"step": step_id}
