@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from orchestrator.engine import checkpoint, lease as leases, services, wal
+from orchestrator.engine import checkpoint, lease as leases, services, snapshots, wal
 from orchestrator.models import IdempotencyRecord, Snapshot, Step, Task, TaskEvent, WalEntry
 from orchestrator.tasktypes import get_type
 from tests.support.helpers import write_intent
@@ -201,3 +201,24 @@ def _full_state(done: int) -> dict:
 
 
 EXPECTED_COMPACTED = [{"version": v, "full": True, "state": _full_state(v - 1)} for v in (4, 5, 6)]
+
+
+def test_a_compacted_state_keeps_quotes_backslashes_and_other_scripts_exactly(settings):
+    """The rewritten versions go to PostgreSQL as one JSON document (engine/snapshots.py): a state
+    whose strings hold what JSON and SQL escape reads back as it was written, on either database."""
+    settings.ORCH_SNAPSHOT_KEEP = 2
+    task = services.task_create(type="demo.migrate_rows", params={"rows": 200, "batch_size": 50, "rate": 1.0})
+    lease = leases.claim(task.pk)
+    task_type = get_type(task.type)
+    plan = checkpoint.ensure_plan(lease=lease, task_type=task_type, params=task_type.Params.model_validate(task.params))
+    started = timezone.now() - timedelta(seconds=1)
+    for step_id in ("prepare-source", "batch-0001", "batch-0002"):
+        checkpoint.commit_step(lease=lease, plan=plan, step_id=step_id, result={"step": step_id}, reads=[],
+                               effects=[], started_at=started, tokens_used=1, active_seconds=0.5)
+    tricky = {"note": 'a "quoted" \\ back\\slash, it\'s {"not": "json"} — ünïcödé 日本 \U0001F600 %s %(x)s',
+              "nested": [{"q": '"', "b": "\\", "nl": "line\nbreak\ttab"}], "n": 1.5}
+    row = Task.objects.get(pk=task.pk)
+    snapshots.compact(row, tricky)
+    kept = dict(Snapshot.objects.filter(task_id=task.pk).values_list("version", "state"))
+    assert sorted(kept) == [3, 4] and kept[4] == tricky
+    assert Snapshot.objects.get(task_id=task.pk, version=3).full
