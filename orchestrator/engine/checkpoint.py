@@ -60,7 +60,8 @@ def commit_step(*, lease: Lease, plan: PlanState, step_id: str, result: Any, rea
     FailedAtCommit when the database refused an effect written with it (`at_commit`).
 
     `plan` changes only once the commit is durable (a rolled-back commit leaves it as it was)."""
-    fault_point("before_checkpoint", step_id)
+    faults = armed_faults()  # read once for the commit's fault points (crash tests)
+    fault_point("before_checkpoint", step_id, faults=faults)
     commit = StepCommit(step_id, result, reads, effects, started_at, tokens_used, active_seconds, list(added or ()),
                         dict(consumed or {}), ends_wait, list(at_commit or ()), list(rows or ()))
     if commit.added:
@@ -69,7 +70,7 @@ def commit_step(*, lease: Lease, plan: PlanState, step_id: str, result: Any, rea
     # than die and make a recovery redo it. The commit is fenced: if a worker took the task
     # over meanwhile, it fails with LeaseLost.
     try:
-        version = retry_while_down(lambda: _commit_step(lease, plan, commit),
+        version = retry_while_down(lambda: _commit_step(lease, plan, commit, faults),
                                    seconds=harness.database_retry_seconds, logger=log, what="checkpoint",
                                    extra={"task_id": lease.task_id, "step_id": step_id})
     except DatabaseError as exc:
@@ -80,11 +81,11 @@ def commit_step(*, lease: Lease, plan: PlanState, step_id: str, result: Any, rea
     plan.attempts[step_id] = plan.attempts.get(step_id, 0) + 1
     join_plan(plan, additions(plan, commit.added, step_id))
     plan.set_status(step_id, StepStatus.DONE)
-    fault_point("after_checkpoint", step_id)
+    fault_point("after_checkpoint", step_id, faults=faults)
     return version
 
 
-def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
+def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit, faults: dict[str, str]) -> int:
     now = timezone.now()
     encoded = json.dumps(commit.result)
     apart = len(encoded) > harness.result_inline_bytes
@@ -93,7 +94,7 @@ def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
     # added steps that go before existing ones, a result stored apart, or an armed crash-test fault point.
     simple = (connection.vendor == "postgresql" and not any(spec.before for spec in commit.added) and not apart
               and not commit.consumed and not commit.ends_wait and not snapshots.full_due(version)
-              and not armed_faults())
+              and not faults)
     if simple:
         row = commit_statement.postgresql(lease, plan, commit, encoded, now, delta=True)
         if row is None:
@@ -128,7 +129,7 @@ def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit) -> int:
             _settle_wait(lease.task_id, commit, row["checkpoint_version"])
         if commit.added or snapshots.full_due(row["checkpoint_version"]) or connection.vendor != "postgresql":
             _write_snapshot(lease.task_id, plan, commit, row)
-        fault_point("mid_checkpoint", commit.step_id)  # crash tests: the whole checkpoint must vanish
+        fault_point("mid_checkpoint", commit.step_id, faults=faults)  # crash tests: the whole checkpoint must vanish
         task_id, done = lease.task_id, plan.done_count() + 1
         transaction.on_commit(lambda: _after_commit(task_id, row, done))
     return row["checkpoint_version"]

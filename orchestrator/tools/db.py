@@ -104,19 +104,30 @@ def _commit_sql_text(model, columns: tuple, row_count: int, fence: str, prefix: 
 def _upsert_parts(model, columns: list[str]):
     """("INSERT INTO table (every column)", " ON CONFLICT ...", [(field, index in `columns` or
     None)], {attname: the value of a column not given}) for an upsert of `columns`."""
+    head, conflict, by_position, not_given = _upsert_shape(model, tuple(columns))
+    now = timezone.now()
+    filled = {f.attname: f.get_db_prep_save(now if stamped else f.get_default(), connection)
+              for f, stamped in not_given}
+    return head, conflict, by_position, filled
+
+
+@lru_cache(maxsize=256)
+def _upsert_shape(model, columns: tuple[str, ...]):
+    """What _upsert_parts returns that depends only on the table and the columns given, built once
+    per shape (a side-effect step's upsert is the same shape on every step): the statement's head
+    and conflict clause, the fields by position, and the fields not given (auto_now ones first
+    flagged), whose values are made on every call (a callable default, the time)."""
     meta, quote = model._meta, connection.ops.quote_name
     given = {name: i for i, name in enumerate(columns)}
-    now = timezone.now()
-    filled = {f.attname: f.get_db_prep_save(now if getattr(f, "auto_now", False) or getattr(f, "auto_now_add", False)
-                                            else f.get_default(), connection)
-              for f in meta.concrete_fields if f.attname not in given}
+    not_given = tuple((f, bool(getattr(f, "auto_now", False) or getattr(f, "auto_now_add", False)))
+                      for f in meta.concrete_fields if f.attname not in given)
     by_position = [(f, given.get(f.attname)) for f in meta.concrete_fields]
     updated = [c for c in columns if c != meta.pk.attname]
     conflict = (f" ON CONFLICT ({quote(meta.pk.column)}) DO "
                 + (f"UPDATE SET {', '.join(f'{quote(meta.get_field(c).column)} = EXCLUDED.{quote(meta.get_field(c).column)}' for c in updated)}"
                    if updated else "NOTHING"))
     head = f"INSERT INTO {quote(meta.db_table)} ({', '.join(quote(f.column) for f, _ in by_position)})"
-    return head, conflict, by_position, filled
+    return head, conflict, by_position, not_given
 
 
 def upsert(model, columns: list[str], rows: list[list]) -> None:
