@@ -107,6 +107,10 @@ def _commit_parameters(lease: Lease, plan: PlanState, commit: StepCommit, encode
 
 _VERSION_FENCE = "AND checkpoint_version = %(expected_version)s"
 _HEAD, _TAIL = _POSTGRESQL_COMMIT.split(" SELECT checkpoint_version, event_seq", 1)
+# With effects at commit: the fence also refuses a key an earlier execution recorded
+# (at_commit.RecordedEarlier).
+_HEAD_AT_COMMIT = _HEAD.replace(_VERSION_FENCE, _VERSION_FENCE + f" AND NOT EXISTS (SELECT 1 FROM {TABLES['wal']} "
+                                f"WHERE idempotency_key = ANY(%(at_commit_keys)s::text[]))", 1)
 
 
 def postgresql(lease, plan, commit, encoded_result, now, *, delta: bool, at_commit_sql: bool = True) -> dict | None:
@@ -125,9 +129,7 @@ def postgresql(lease, plan, commit, encoded_result, now, *, delta: bool, at_comm
     if commit.at_commit and at_commit_sql:
         more, values = at_commit.sql(commit.at_commit)
         values["effects"] = wal.done_parameter(commit.effects, at_commit.records(commit.at_commit))
-        # The fence also refuses a key an earlier execution recorded (at_commit.RecordedEarlier).
-        head = _HEAD.replace(_VERSION_FENCE, _VERSION_FENCE + f" AND NOT EXISTS (SELECT 1 FROM {TABLES['wal']} "
-                             f"WHERE idempotency_key = ANY(%(at_commit_keys)s::text[]))", 1)
+        head = _HEAD_AT_COMMIT
         values["at_commit_keys"] = [e.key for e in commit.at_commit]
         parameters.update(values)
     if commit.rows and at_commit_sql:

@@ -17,5 +17,14 @@ def all_tools() -> dict[str, Tool]:
     return dict(_TOOLS)
 
 
+_builtin_loaded = False
+
+
 def _load_builtin() -> None:
+    # Once per process: an import statement is a lookup per module even when imported, and this
+    # runs on every effect.
+    global _builtin_loaded
+    if _builtin_loaded:
+        return
     from . import db, email, http, mcp, shell  # noqa: F401  (each registers itself)
+    _builtin_loaded = True

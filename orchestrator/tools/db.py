@@ -9,7 +9,7 @@ import json
 from functools import cache, lru_cache
 
 from django.apps import apps
-from django.db import connection, transaction
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.utils import timezone
 
 from ..primitives.faults import fault_point_for_key
@@ -44,7 +44,7 @@ class DbUpsert(Tool):
     def validate(self, args: dict) -> None:
         model = self._model(args.get("table", ""))
         columns = args.get("columns") or []
-        field_names = {f.attname for f in model._meta.concrete_fields}
+        field_names = _field_names(model)
         unknown = [c for c in columns if c not in field_names]
         if unknown or model._meta.pk.attname not in columns:
             raise ToolError(f"db.upsert columns must include {model._meta.pk.attname!r} and only {sorted(field_names)}; "
@@ -84,8 +84,9 @@ class DbUpsert(Tool):
 
     def commit_sql(self, args: dict, *, fence: str, prefix: str) -> tuple[str, dict]:
         model, rows = self._model(args["table"]), args["rows"]
-        _, _, by_position, filled = _upsert_parts(model, args["columns"])
-        params = {f"{prefix}{r}_{c}": f.get_db_prep_save(row[i], connection) if i is not None else filled[f.attname]
+        db = connections[DEFAULT_DB_ALIAS]  # the connection itself: each read through the proxy is a lookup
+        _, _, by_position, filled = _upsert_parts(model, args["columns"], db)
+        params = {f"{prefix}{r}_{c}": f.get_db_prep_save(row[i], db) if i is not None else filled[f.attname]
                   for r, row in enumerate(rows) for c, (f, i) in enumerate(by_position)}
         return _commit_sql_text(model, tuple(args["columns"]), len(rows), fence, prefix), params
 
@@ -101,14 +102,19 @@ def _commit_sql_text(model, columns: tuple, row_count: int, fence: str, prefix: 
     return f"{head} SELECT * FROM (VALUES {values}) AS v WHERE {fence}{conflict}"
 
 
-def _upsert_parts(model, columns: list[str]):
+def _upsert_parts(model, columns: list[str], db=None):
     """("INSERT INTO table (every column)", " ON CONFLICT ...", [(field, index in `columns` or
     None)], {attname: the value of a column not given}) for an upsert of `columns`."""
     head, conflict, by_position, not_given = _upsert_shape(model, tuple(columns))
-    now = timezone.now()
-    filled = {f.attname: f.get_db_prep_save(now if stamped else f.get_default(), connection)
+    now, db = timezone.now(), db or connections[DEFAULT_DB_ALIAS]
+    filled = {f.attname: f.get_db_prep_save(now if stamped else f.get_default(), db)
               for f, stamped in not_given}
     return head, conflict, by_position, filled
+
+
+@cache
+def _field_names(model) -> frozenset[str]:
+    return frozenset(f.attname for f in model._meta.concrete_fields)
 
 
 @lru_cache(maxsize=256)
