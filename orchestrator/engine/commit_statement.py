@@ -95,13 +95,15 @@ def _commit_parameters(lease: Lease, plan: PlanState, commit: StepCommit, encode
         "task_id": lease.task_id, "epoch": lease.epoch, "owner": lease.owner, "now": now,
         "expected_version": plan.version,
         "steps_done": plan.done_count() + 1, "added": len(commit.added), "tokens": commit.tokens_used,
-        "active": commit.active_seconds, "result": encoded_result, "reads": json.dumps(commit.reads),
+        "active": commit.active_seconds, "result": encoded_result,
+        "reads": json.dumps(commit.reads) if commit.reads else "[]",
         "attempts": plan.attempts.get(commit.step_id, 0) + 1, "started_at": commit.started_at,
         "step_id": commit.step_id, "seconds": round((now - commit.started_at).total_seconds(), 3),
         "effects": wal.done_parameter(commit.effects),
         # The snapshot delta's steps the commit adds (pending) and who added them.
-        "pending": json.dumps({spec.id: "pending" for spec in commit.added}),
-        "added_by": json.dumps({"added_by": {spec.id: commit.step_id for spec in commit.added}} if commit.added else {}),
+        "pending": json.dumps({spec.id: "pending" for spec in commit.added}) if commit.added else "{}",
+        "added_by": json.dumps({"added_by": {spec.id: commit.step_id for spec in commit.added}})
+        if commit.added else "{}",
     }
 
 

@@ -44,7 +44,7 @@ from ..models import IdempotencyRecord, WalEntry, WalStatus
 from ..tools.base import OutcomeUnknown, ProbeResult, ToolError
 from ..tools.catalog import get_tool
 from ..primitives.cancellation import Cancelled
-from ..primitives.faults import fault_point
+from ..primitives.faults import armed as armed_faults, fault_point
 from .lease import FENCE_ROW_SQL, Lease, LeaseLost, bump_fenced
 from .prepared import prepared_cursor
 # The protocol's terms, named wal.* by their callers.
@@ -186,14 +186,15 @@ def _in_one_statement(*, lease, step_id, call_index, tool, args, key, completed)
     round trip instead of BEGIN, the write, the record and COMMIT. _RecordedEarlier when an
     earlier execution took the key; (False, None) when it wrote nothing otherwise (the lease
     went, a value was refused): the transaction's way then says which."""
-    fault_point("before_intent", step_id)
+    faults = armed_faults()  # read once for this effect's four fault points (crash tests)
+    fault_point("before_intent", step_id, faults=faults)
     try:
         body, values = tool.commit_sql(args, fence="EXISTS (SELECT 1 FROM t)", prefix="e_")
     except Exception:  # noqa: BLE001 - a value refused: the transaction's way reports it
         return False, None
     # The transaction's fault points, in its order: nothing is written yet, as after its rollback.
-    fault_point("during_effect", step_id)
-    fault_point("after_intent", step_id)
+    fault_point("during_effect", step_id, faults=faults)
+    fault_point("after_intent", step_id, faults=faults)
     result = tool.planned_result(args)
     try:
         _, entry_id = _run_record_sql(lease, step_id=step_id, call_index=call_index, tool=tool, args=args, key=key,
@@ -206,7 +207,7 @@ def _in_one_statement(*, lease, step_id, call_index, tool, args, key, completed)
         return False, None
     if entry_id is None:
         return False, None
-    fault_point("after_effect", step_id)
+    fault_point("after_effect", step_id, faults=faults)
     completed.append(CompletedEffect(entry_id, key, tool.name, result, committed=True))
     return True, result
 
@@ -388,5 +389,6 @@ def done_sql() -> str:
 def done_parameter(effects: list[CompletedEffect], new: list[dict] = ()) -> str:
     """The %(effects)s of done_sql(): the effects not yet recorded, and `new` ones (key, tool,
     result, step_id, call_index, args, idempotent) with no entry yet, as JSON."""
-    return json.dumps([{"id": e.entry_id, "key": e.key, "tool": e.tool, "result": e.result}
-                       for e in effects if not e.committed] + [{"id": None, **record} for record in new])
+    listed = [{"id": e.entry_id, "key": e.key, "tool": e.tool, "result": e.result}
+              for e in effects if not e.committed] + [{"id": None, **record} for record in new]
+    return json.dumps(listed) if listed else "[]"
