@@ -85,7 +85,9 @@ def commit_step(*, lease: Lease, plan: PlanState, step_id: str, result: Any, rea
     return version
 
 
-def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit, faults: dict[str, str]) -> int:
+def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit, faults: dict[str, str] | None = None) -> int:
+    if faults is None:  # commit_step passes what it read for its own fault points
+        faults = armed_faults()
     now = timezone.now()
     encoded = json.dumps(commit.result)
     apart = len(encoded) > harness.result_inline_bytes

@@ -20,12 +20,12 @@ def commits(monkeypatch):
     calls = Counter()
     hooks = {}
 
-    def commit(lease, plan, step_commit):
+    def commit(lease, plan, step_commit, *rest):
         calls[step_commit.step_id] += 1
         n = sum(calls.values())
         if n in hooks:
             return hooks[n](real, lease, plan, step_commit)
-        return real(lease, plan, step_commit)
+        return real(lease, plan, step_commit, *rest)
 
     monkeypatch.setattr(checkpoint, "_commit_step", commit)
     return calls, hooks
