@@ -86,8 +86,7 @@ def commit_step(*, lease: Lease, plan: PlanState, step_id: str, result: Any, rea
 
 
 def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit, faults: dict[str, str] | None = None) -> int:
-    if faults is None:  # commit_step passes what it read for its own fault points
-        faults = armed_faults()
+    faults = armed_faults() if faults is None else faults  # commit_step passes what it read already
     now = timezone.now()
     encoded = json.dumps(commit.result)
     apart = len(encoded) > harness.result_inline_bytes
