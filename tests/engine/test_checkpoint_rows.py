@@ -38,11 +38,25 @@ def rows(task_id: int) -> dict:
     }
 
 
-def test_the_same_checkpoints_leave_the_same_rows_on_either_database():
-    task = services.task_create(type="demo.migrate_rows", params={"rows": 100, "batch_size": 50, "rate": 1.0})
+def started_migration(rows: int):
+    """A demo.migrate_rows task claimed and its plan written: (task, lease, plan)."""
+    task = services.task_create(type="demo.migrate_rows", params={"rows": rows, "batch_size": 50, "rate": 1.0})
     lease = leases.claim(task.pk)
     task_type = get_type(task.type)
     plan = checkpoint.ensure_plan(lease=lease, task_type=task_type, params=task_type.Params.model_validate(task.params))
+    return task, lease, plan
+
+
+def commit_done(lease, plan, step_ids) -> None:
+    """Each step committed done in turn (result {"step": id}, one token and 0.5 s each)."""
+    started = timezone.now() - timedelta(seconds=1)
+    for step_id in step_ids:
+        checkpoint.commit_step(lease=lease, plan=plan, step_id=step_id, result={"step": step_id}, reads=[],
+                               effects=[], started_at=started, tokens_used=1, active_seconds=0.5)
+
+
+def test_the_same_checkpoints_leave_the_same_rows_on_either_database():
+    task, lease, plan = started_migration(rows=100)
     started = timezone.now() - timedelta(seconds=1)
     checkpoint.commit_step(lease=lease, plan=plan, step_id="prepare-source", result={"rows": 100, "note": "é"},
                            reads=["source"], effects=[], started_at=started, tokens_used=7, active_seconds=0.25)
@@ -129,10 +143,7 @@ def test_a_commit_that_adds_steps_leaves_the_same_rows_on_either_database_in_one
 
     from orchestrator.tasktypes.base import StepSpec
 
-    task = services.task_create(type="demo.migrate_rows", params={"rows": 100, "batch_size": 50, "rate": 1.0})
-    lease = leases.claim(task.pk)
-    task_type = get_type(task.type)
-    plan = checkpoint.ensure_plan(lease=lease, task_type=task_type, params=task_type.Params.model_validate(task.params))
+    task, lease, plan = started_migration(rows=100)
     added = [StepSpec("extra-a", title="Extra A", depends_on=("prepare-source",), reads=("rows",), on_failure="skip"),
              StepSpec("extra-b", depends_on=("extra-a",), runs_after_skipped=True)]
     statements = []
@@ -172,14 +183,8 @@ def test_a_runs_snapshot_compaction_leaves_the_same_rows_on_either_database_in_t
     from django.test.utils import CaptureQueriesContext
 
     settings.ORCH_SNAPSHOT_KEEP = 3
-    task = services.task_create(type="demo.migrate_rows", params={"rows": 200, "batch_size": 50, "rate": 1.0})
-    lease = leases.claim(task.pk)
-    task_type = get_type(task.type)
-    plan = checkpoint.ensure_plan(lease=lease, task_type=task_type, params=task_type.Params.model_validate(task.params))
-    started = timezone.now() - timedelta(seconds=1)
-    for step_id in ("prepare-source", "batch-0001", "batch-0002", "batch-0003", "batch-0004"):
-        checkpoint.commit_step(lease=lease, plan=plan, step_id=step_id, result={"step": step_id}, reads=[],
-                               effects=[], started_at=started, tokens_used=1, active_seconds=0.5)
+    task, lease, plan = started_migration(rows=200)
+    commit_done(lease, plan, ("prepare-source", "batch-0001", "batch-0002", "batch-0003", "batch-0004"))
     assert list(Snapshot.objects.filter(task_id=task.pk).order_by("version").values_list("version", "full")) == [
         (1, True), (2, False), (3, False), (4, False), (5, False), (6, False)]
     with transaction.atomic():
@@ -207,14 +212,8 @@ def test_a_compacted_state_keeps_quotes_backslashes_and_other_scripts_exactly(se
     """The rewritten versions go to PostgreSQL as one JSON document (engine/snapshots.py): a state
     whose strings hold what JSON and SQL escape reads back as it was written, on either database."""
     settings.ORCH_SNAPSHOT_KEEP = 2
-    task = services.task_create(type="demo.migrate_rows", params={"rows": 200, "batch_size": 50, "rate": 1.0})
-    lease = leases.claim(task.pk)
-    task_type = get_type(task.type)
-    plan = checkpoint.ensure_plan(lease=lease, task_type=task_type, params=task_type.Params.model_validate(task.params))
-    started = timezone.now() - timedelta(seconds=1)
-    for step_id in ("prepare-source", "batch-0001", "batch-0002"):
-        checkpoint.commit_step(lease=lease, plan=plan, step_id=step_id, result={"step": step_id}, reads=[],
-                               effects=[], started_at=started, tokens_used=1, active_seconds=0.5)
+    task, lease, plan = started_migration(rows=200)
+    commit_done(lease, plan, ("prepare-source", "batch-0001", "batch-0002"))
     tricky = {"note": 'a "quoted" \\ back\\slash, it\'s {"not": "json"} — ünïcödé 日本 \U0001F600 %s %(x)s',
               "nested": [{"q": '"', "b": "\\", "nl": "line\nbreak\ttab"}], "n": 1.5}
     row = Task.objects.get(pk=task.pk)
