@@ -197,3 +197,12 @@ def test_a_token_s_last_use_is_kept_to_the_minute_without_a_write_per_request(op
     ApiToken.objects.filter(token_hash=hash_token(raw)).update(last_used_at=first - timedelta(minutes=2))
     token_authenticate(raw)
     assert ApiToken.objects.get(token_hash=hash_token(raw)).last_used_at > first
+
+
+def test_a_review_filter_with_a_nul_character_gets_422_not_a_server_error(client, operator):
+    """Found by the schema fuzzer on PostgreSQL (which cannot compare a string holding NUL): the
+    `tool` filter of GET /api/reviews answered 500."""
+    response = client.get("/api/reviews", {"tool": "db\x00.upsert", "status": "all"}, **bearer(operator))
+    assert response.status_code == 422, response.content
+    assert "tool" in response.content.decode()
+    assert client.get("/api/reviews", {"tool": "db.upsert"}, **bearer(operator)).status_code == 200
