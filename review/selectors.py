@@ -15,6 +15,7 @@ def review_list(*, status: str = "open", task_id: int | None = None, tool: str =
         qs = qs.filter(status=status)
     if task_id:
         qs = qs.filter(task_id=task_id)
+    tool = tool.replace("\x00", "")  # PostgreSQL refuses a NUL character in text (as selectors.task_list)
     if tool:
         qs = qs.filter(tool=tool)
     return qs
