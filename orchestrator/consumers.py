@@ -150,7 +150,7 @@ class RoleRequiredConsumer(AsyncJsonWebsocketConsumer):
             return
         try:
             content = await self.decode_json(text_data)
-        except jsonlimits.TooDeep as exc:
+        except jsonlimits.Unreadable as exc:
             await self.send_error(f"Message not read: {exc}.")
             return
         except ValueError:  # json.JSONDecodeError, and numbers too large to parse

@@ -67,6 +67,9 @@ MIDDLEWARE = [
     "whitenoise.middleware.WhiteNoiseMiddleware",
     # A request waits a few seconds for SQLite's write lock, not the workers' 30 (orchestrator/database_busy.py).
     "orchestrator.database_busy.RequestBusyTimeoutMiddleware",
+    # A NUL character in the path or a form field is a 400; in the query string it is dropped
+    # (PostgreSQL stores and compares none: orchestrator/nul_characters.py).
+    "orchestrator.nul_characters.NulCharacterMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",

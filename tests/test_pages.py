@@ -536,3 +536,22 @@ def test_the_tabs_count_open_reviews_and_pending_inbox_events(client, operator, 
     assert ">2</span>" in inbox_tab
     reviews = body.split('id="task-reviews"', 1)[1].split("</section>", 1)[0]
     assert f'href="/review/{approval_id}/"' in reviews and 'data-status="open"' in reviews
+
+
+@pytest.mark.django_db
+def test_a_form_field_with_a_nul_character_is_refused_with_400_and_creates_nothing(client, operator):
+    # The task form's title was written as it came: a 500 on PostgreSQL, which stores no NUL.
+    client.force_login(operator)
+    client.raise_request_exception = False
+    response = client.post("/tasks/new/", {"type": "demo.migrate_rows", "params.rows": "120", "title": "Form\x00 run"})
+    assert response.status_code == 400
+    assert "NUL character" in response.content.decode() and "'title'" in response.content.decode()
+    assert not Task.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_query_string_with_a_nul_character_is_read_without_it(client, viewer):
+    client.force_login(viewer)
+    services.task_create(type="demo.migrate_rows", params={"rows": 10}, title="abcdef")
+    assert "abcdef" in client.get("/", {"q": "abc\x00def"}).content.decode()
+    assert client.get("/review/", {"status": "op\x00en", "tool": "db\x00.upsert"}).status_code == 200

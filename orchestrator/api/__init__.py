@@ -15,8 +15,8 @@ from .presenters import RedactingRenderer
 
 
 class BoundedJSONParser(Parser):
-    """Request bodies with a bound on nesting: a deeply nested body is a 400 that says so
-    (errors.py reads the TooDeep behind ninja's "Cannot parse request body")."""
+    """Request bodies with a bound on nesting and no NUL: such a body is a 400 that says so
+    (errors.py reads the jsonlimits.Unreadable behind ninja's "Cannot parse request body")."""
 
     def parse_body(self, request):
         return jsonlimits.loads(request.body)

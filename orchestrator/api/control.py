@@ -36,7 +36,7 @@ def read_body(request) -> dict:
         return {}
     try:
         value = jsonlimits.loads(raw)
-    except ValueError as exc:  # not JSON, not UTF-8, or nested too deep (jsonlimits.TooDeep)
+    except ValueError as exc:  # not JSON, not UTF-8, nested too deep or holding NUL (jsonlimits.Unreadable)
         raise HttpError(400, "Cannot parse request body") from exc
     if value is None:
         return {}

@@ -9,7 +9,7 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError as Ninj
 from ..engine import inbox, services
 from ..database_busy import RETRY_AFTER_SECONDS, busy_message, is_database_busy, log_busy
 from ..engine.states import InvalidTransition
-from ..primitives.jsonlimits import TooDeep
+from ..primitives.jsonlimits import Unreadable
 from review import services as review_services
 from ..primitives.errors import HarnessError
 
@@ -76,7 +76,7 @@ def install(api: NinjaAPI) -> None:
     @api.exception_handler(HttpError)
     def on_http_error(request, exc: HttpError):
         detail = str(exc)
-        if exc.status_code == 400 and isinstance(exc.__cause__, TooDeep):
+        if exc.status_code == 400 and isinstance(exc.__cause__, Unreadable):
             detail = f"Cannot read the request body: {exc.__cause__}."
         elif exc.status_code == 400 and detail.startswith("Cannot parse request body"):
             detail = "Cannot parse the request body: send valid JSON with 'Content-Type: application/json'."

@@ -137,7 +137,7 @@ def receive(*, source_name: str, task_id: int, body: bytes, headers: dict, ip: s
     _throttle("source", source.name, f"for source {source.name}")
     try:
         event = jsonlimits.loads(body)
-    except jsonlimits.TooDeep as exc:
+    except jsonlimits.Unreadable as exc:
         raise WebhookRejected(400, f"The body cannot be read: {exc}.") from None
     except ValueError:
         raise WebhookRejected(400, "The body is not JSON: send {\"type\": ..., \"payload\": {...}}.") from None

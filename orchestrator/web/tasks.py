@@ -184,7 +184,7 @@ def task_send_event(request, task_id: int):
     text = request.POST.get("text", "").strip()
     try:
         payload = jsonlimits.loads(raw) if raw else ({"text": text} if text else {})
-    except jsonlimits.TooDeep as exc:
+    except jsonlimits.Unreadable as exc:
         messages.error(request, f"Not sent: {exc}.")
         return redirect(back)
     except json.JSONDecodeError as exc:

@@ -207,3 +207,38 @@ def test_a_review_filter_with_a_nul_character_is_not_a_server_error(client, oper
     assert response.status_code == 200, response.content
     client.force_login(operator)
     assert client.get("/review/", {"tool": "db\x00.upsert"}).status_code == 200
+
+
+# --- NUL characters: PostgreSQL stores and compares none ------------------------------------
+
+NUL_BODIES = [  # (path of the request, body, where the message says the NUL is); each a 500 on PostgreSQL before
+    ("/api/tasks", {"type": "demo.migrate_rows", "title": "a\x00b", "params": {"rows": 10}}, "in title"),
+    ("/api/tasks", {"type": "demo.migrate_rows", "params": {"rows": 10, "x\x00": 1}}, "in the key 'params.x'"),
+    ("/api/tasks/{task}/pause", {"reason": "lunch\x00"}, "in reason"),
+    ("/api/tasks/{task}/stop", {"reason": "done\x00"}, "in reason"),
+    ("/api/tasks/{task}/events", {"type": "upstream.ready", "payload": {"resource": ["a", "b\x00"]}},
+     "in payload.resource[1]"),
+]
+
+
+@pytest.mark.parametrize("path, body, where", NUL_BODIES, ids=[f"{p} {w}" for p, _, w in NUL_BODIES])
+def test_a_json_body_holding_a_nul_character_is_refused_with_400_saying_where(client, operator, path, body, where):
+    client.raise_request_exception = False
+    task = services.task_create(type="demo.pipeline", params={})
+    tasks_before = Task.objects.count()
+    response = client.post(path.format(task=task.pk), json.dumps(body), content_type="application/json",
+                           **bearer(operator))
+    assert response.status_code == 400, response.content[:300]
+    detail = response.json()["detail"]
+    assert "NUL character" in detail and where in detail, detail
+    task.refresh_from_db()  # nothing was done: no task, no verb, no event
+    assert (Task.objects.count(), task.status, task.control) == (tasks_before, "queued", "")
+    assert not task.inbox.exists()
+
+
+def test_a_path_with_a_nul_character_is_refused_with_400(client):
+    """A webhook's source name with NUL in it was looked up and answered 500 on PostgreSQL."""
+    client.raise_request_exception = False
+    response = client.post("/api/hooks/ware%00house/tasks/1/events", "{}", content_type="application/json")
+    assert response.status_code == 400
+    assert "NUL character" in response.json()["detail"]

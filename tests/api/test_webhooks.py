@@ -92,3 +92,12 @@ def test_the_source_rules_bound_types_task_types_and_priority(source, task):
     other = services.task_create(type="demo.migrate_rows", params={"rows": 10})
     assert post(other.pk, READY, secret=secret, msg_id="3").status_code == 403
     assert not InboundEvent.objects.exists()
+
+
+def test_a_signed_body_holding_a_nul_character_is_refused_with_400_and_creates_nothing(source, task):
+    """PostgreSQL stores no NUL in jsonb: the event's insert failed with a 500, which a sender retries."""
+    response = post(task.pk, {"type": "upstream.ready", "payload": {"resource": "orders\x00.csv"}},
+                    secret=source.secrets[0])
+    assert response.status_code == 400, response.content
+    assert "NUL character" in response.json()["detail"] and "payload.resource" in response.json()["detail"]
+    assert not InboundEvent.objects.filter(task=task).exists()
