@@ -10,7 +10,6 @@ committed without waiting for the disk flush (ORCH_PURE_STEP_SYNC_COMMIT): if th
 server itself crashes, it is recomputed; PostgreSQL flushes its log in order, so any later
 synchronous commit (a WAL intent, a status change) makes it durable too.
 """
-import json
 import logging
 import os
 
@@ -29,6 +28,7 @@ from . import at_commit as effects_at_commit, commit_statement, compat, events, 
 from .commit_statement import StepCommit
 from .events import create_event, cross_process_layer, publish_hint
 from ..primitives.faults import armed as armed_faults, fault_point
+from ..primitives import storable
 from .inbox import INBOX_ADDER
 from .lease import Lease, LeaseLost, lock_fenced
 from ..primitives.errors import HarnessError
@@ -88,7 +88,7 @@ def commit_step(*, lease: Lease, plan: PlanState, step_id: str, result: Any, rea
 def _commit_step(lease: Lease, plan: PlanState, commit: StepCommit, faults: dict[str, str] | None = None) -> int:
     faults = armed_faults() if faults is None else faults  # commit_step passes what it read already
     now = timezone.now()
-    encoded = json.dumps(commit.result)
+    encoded, commit.result = storable.encoded(commit.result)  # no NUL: PostgreSQL stores none
     apart = len(encoded) > harness.result_inline_bytes
     version = plan.version + 1
     # One statement (and one round trip) unless this commit has more to write: a full snapshot,

@@ -45,6 +45,7 @@ from ..tools.base import OutcomeUnknown, ProbeResult, ToolError
 from ..tools.catalog import get_tool
 from ..primitives.cancellation import Cancelled
 from ..primitives.faults import armed as armed_faults, fault_point
+from ..primitives import storable
 from .lease import FENCE_ROW_SQL, Lease, LeaseLost, bump_fenced
 from .prepared import prepared_cursor
 # The protocol's terms, named wal.* by their callers.
@@ -116,6 +117,7 @@ def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args
         return _outcome_unknown(exc, entry=entry, lease=lease, step_id=step_id, key=key, tool_name=tool_name,
                                 completed=completed)
     fault_point("after_effect", step_id)
+    result = storable.value(result)  # recorded at the step's commit: no NUL (PostgreSQL stores none)
     completed.append(CompletedEffect(entry.pk, key, tool_name, result))
     return result
 
@@ -222,7 +224,7 @@ def _in_one_transaction(*, lease, step_id, call_index, tool, args, key, token, c
                 return result
         fault_point("before_intent", step_id)
         try:
-            result = tool.perform(args, key=key, token=token)  # its writes join this transaction
+            result = storable.value(tool.perform(args, key=key, token=token))  # its writes join this transaction
         except Cancelled:
             raise  # rolled back: nothing happened
         except Exception as exc:  # rolled back too: the effect did not happen; the step retries

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..primitives import storable
+
 # The usual rule of thumb when no tokenizer is at hand (one that needs a download is not
 # available offline): about four characters per token.
 CHARACTERS_PER_TOKEN = 4
@@ -89,6 +91,14 @@ class Completion:
     # The model's reasoning (reasoning_content / reasoning deltas), apart from `content`.
     reasoning: str = ""
 
+    def __post_init__(self):
+        # A model's answer is untrusted text (a document it read can make it emit NUL), and is
+        # stored: the dialog, the WAL's arguments, the step's result. PostgreSQL stores no NUL.
+        self.content = storable.text(self.content) if self.content else self.content
+        self.reasoning = storable.text(self.reasoning) if self.reasoning else self.reasoning
+        self.tool_calls = [_storable_call(call) for call in self.tool_calls]
+        self.dropped_tool_calls = [_storable_call(call) for call in self.dropped_tool_calls]
+
     @property
     def partial(self) -> bool:
         return self.stream_cut or self.cancelled
@@ -104,6 +114,12 @@ class Completion:
         if self.tool_calls:
             message["tool_calls"] = [call.wire_format() for call in self.tool_calls]
         return message
+
+
+def _storable_call(call: ToolCall) -> ToolCall:
+    """The call with no NUL in its id, name or arguments (raw, or escaped in the JSON text)."""
+    return ToolCall(storable.text(call.id or ""), storable.text(call.name or ""),
+                    storable.json_text(call.arguments or ""))
 
 
 def tool_result_message(tool_call_id: str, content: str | dict | list) -> dict:

@@ -36,6 +36,7 @@ from ..llm import LLMCancelled, LLMContextExceeded, LLMResponseGone, LLMStreamCu
 from ..llm.client import estimate_prompt_tokens, estimate_tokens
 from ..models import AgentMessage
 from ..primitives.faults import fault_point
+from ..primitives import storable
 from ..roles import is_admin
 from . import register
 from .base import StepSpec, TaskType
@@ -635,6 +636,9 @@ class PlanExecuteAgent(TaskType):
                 ok, result = False, f"rejected by the reviewer: {decision.get('note') or 'no reason given'}"
         else:
             ok, result = toolbox.call(ctx, call["name"], call["arguments"], granted)
+        # A tool's result is stored (the dialog, the step's result): a NUL in it (a binary file, a
+        # hostile server) is replaced, as PostgreSQL stores none (primitives/storable.py).
+        result = storable.value(result)
         text = toolbox.as_message_text(result, ref=ctx.step_id)
         if started:
             # A reviewer's decision on this call's effect in doubt is what the model reads

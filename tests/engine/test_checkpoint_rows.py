@@ -247,3 +247,17 @@ def test_a_steps_commit_updates_its_row_in_place_on_postgresql():
         updates1, hot1 = _step_table_updates(cursor)
     assert updates1 - updates0 >= 40
     assert hot1 - hot0 >= 0.9 * (updates1 - updates0), (updates1 - updates0, hot1 - hot0)
+
+
+@pytest.mark.task_types("tests.support.testtypes")
+def test_a_result_holding_nul_characters_is_stored_with_replacement_characters_on_either_database():
+    """PostgreSQL stores no NUL (U+0000) in jsonb: a step whose result (or whose effect's result)
+    held one failed its checkpoint on PostgreSQL on every retry, then needed a human. Both
+    databases now store U+FFFD in its place."""
+    from orchestrator.engine.worker import drive_inline
+
+    task = services.task_create(type="test.nul_results", params={})
+    assert drive_inline(task.pk) == "completed", Task.objects.get(pk=task.pk).status_reason
+    read = {"text": "PK\x03\x04\ufffd\ufffdheader", "keys": {"a\ufffdb": ["\ufffd"]}}
+    assert Step.objects.get(task=task, step_id="read").result == {"read": read, "own": "end\ufffd"}
+    assert WalEntry.objects.get(task=task).result == read

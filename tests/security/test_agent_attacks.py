@@ -328,3 +328,20 @@ def test_a_read_tools_failure_goes_back_to_the_model_and_the_task_goes_on(settin
     assert not_found.startswith("error:") and "404" in not_found
     assert no_contract.startswith("error: there is no contract 999")
     assert len(server.got) == 1
+
+
+def test_a_model_that_emits_nul_characters_does_not_stop_the_agent(settings, smtp, operator):
+    """PostgreSQL stores no NUL (U+0000). A model told (by a document it read) to emit one in a
+    tool's name or arguments made the turn's checkpoint fail on PostgreSQL, on every retry, until
+    the task needed a human. Each NUL of the model's answer is now stored as U+FFFD, on both
+    databases, and the model reads the errors it earned."""
+    script = [("contracts\x00_list", {"limit": 1}),
+              [("contracts_list", {"lim\x00it": 1}), ("memory_search", {"query": "a\x00b"})]]
+    with AttackerModel(script) as model:
+        task = run_attack(model, settings, actor=operator, params={})
+        assert drive_inline(task.pk) == "completed", Task.objects.get(pk=task.pk).status_reason
+    results = tool_results(task)
+    assert results["call_1_1"].startswith("error: there is no tool 'contracts\ufffd_list'"), results
+    assert "lim\ufffdit" in results["call_2_1"] and results["call_2_2"] == '{"facts": []}', results
+    stored = json.dumps([m.tool_calls for m in AgentMessage.objects.filter(task=task, role="assistant")])
+    assert "\\u0000" not in stored and "contracts\\ufffd_list" in stored

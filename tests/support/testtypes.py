@@ -20,6 +20,35 @@ class Explode(Tool):
     def perform(self, args, *, key, token):
         raise RuntimeError("driver crashed in the middle of the call")
 
+@register_tool
+class ReadBinary(Tool):
+    """An effect whose result holds NUL characters, as a file with binary bytes read as text does."""
+
+    name = "test.read_binary"
+    idempotent = True
+
+    def perform(self, args, *, key, token):
+        return {"text": "PK\x03\x04\x00\x00header", "keys": {"a\x00b": ["\x00"]}}
+
+
+class NulResultsParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@register
+class NulResults(TaskType):
+    """One step that performs test.read_binary and returns its result with a NUL of its own."""
+
+    name = "test.nul_results"
+    Params = NulResultsParams
+
+    def plan(self, params):
+        return [StepSpec("read")]
+
+    def run_step(self, ctx, step_id):
+        return {"read": ctx.effect("test.read_binary", {}), "own": "end\x00"}
+
+
 # A long-running child process: python -c "<script>" TAG
 SLEEPER = "import sys, time; time.sleep(600)"
 STUBBORN = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
