@@ -23,7 +23,7 @@ from typing import Any
 from ..models import WalEntry
 from ..primitives.cancellation import CancellationToken
 from ..primitives.errors import HarnessError
-from ..tools.base import Tool, ToolError
+from ..tools.base import Tool, ToolError, validate_call
 from ..tools.catalog import get_tool
 from . import wal
 from .lease import Lease
@@ -63,7 +63,7 @@ def defer(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args: 
     if not tool.commits_with_step:
         raise ToolError(f"{tool_name} cannot be performed at the step's commit (at_commit=True): only a "
                         f"transactional tool whose result is known before it runs can (db.upsert)")
-    tool.validate(args)
+    validate_call(tool, args)
     if not tool.fits_in_commit(args):
         return False, None
     key = wal.idempotency_key(lease.task_id, step_id, call_index, generation)

@@ -41,7 +41,7 @@ from django.utils import timezone
 
 from .. import telemetry
 from ..models import IdempotencyRecord, WalEntry, WalStatus
-from ..tools.base import OutcomeUnknown, ProbeResult, ToolError
+from ..tools.base import OutcomeUnknown, ProbeResult, ToolError, validate_call
 from ..tools.catalog import get_tool
 from ..primitives.cancellation import Cancelled
 from ..primitives.faults import armed as armed_faults, fault_point
@@ -83,7 +83,7 @@ def perform(*, lease: Lease, step_id: str, call_index: int, tool_name: str, args
             completed: list[CompletedEffect], generation: int = 0) -> Any:
     """Run one side effect under the WAL protocol; append it to `completed` when it happened."""
     tool = get_tool(tool_name)
-    tool.validate(args)
+    validate_call(tool, args)
     key = idempotency_key(lease.task_id, step_id, call_index, generation)
     if tool.transactional:
         return _perform_in_transaction(lease=lease, step_id=step_id, call_index=call_index, tool=tool, args=args,

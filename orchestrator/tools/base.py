@@ -6,6 +6,7 @@ from typing import Any, ClassVar
 
 from ..primitives.cancellation import CancellationToken
 from ..primitives.errors import HarnessError
+from ..primitives.jsonlimits import nul_at
 
 
 class ToolError(HarnessError):
@@ -129,6 +130,16 @@ class Tool:
 
 
 _TOOLS: dict[str, Tool] = {}
+
+
+def validate_call(tool: Tool, args: dict) -> None:
+    """tool.validate(args), then no NUL character in them: their intent could not be stored
+    (PostgreSQL stores none), so the call is refused before anything is written or performed."""
+    tool.validate(args)
+    where = nul_at(args)
+    if where is not None:
+        raise ToolError(f"the arguments of {tool.name} hold the NUL character (U+0000) in {where}, which "
+                        f"cannot be stored: remove it")
 
 
 def register(cls: type[Tool]) -> type[Tool]:

@@ -261,3 +261,20 @@ def test_a_result_holding_nul_characters_is_stored_with_replacement_characters_o
     read = {"text": "PK\x03\x04\ufffd\ufffdheader", "keys": {"a\ufffdb": ["\ufffd"]}}
     assert Step.objects.get(task=task, step_id="read").result == {"read": read, "own": "end\ufffd"}
     assert WalEntry.objects.get(task=task).result == read
+
+
+@pytest.mark.task_types("tests.support.testtypes")
+@pytest.mark.parametrize("params, where", [({"nul_in_arguments": True}, "test.read_binary hold the NUL character (U+0000) in path"),
+                                           ({"at_commit": True}, "db.upsert hold the NUL character (U+0000) in rows[0][1]")])
+def test_an_effect_whose_arguments_hold_a_nul_character_is_refused_before_its_intent(params, where):
+    """A task type's own arguments are not changed: the call is refused, saying where, before
+    anything is written or performed (its intent could not be stored on PostgreSQL, where the
+    step failed on the database's 'unsupported Unicode escape sequence')."""
+    from demo.models import DemoDestination
+    from orchestrator.engine.worker import drive_inline
+
+    task = services.task_create(type="test.nul_results", params=params)
+    drive_inline(task.pk)
+    task.refresh_from_db()
+    assert task.status == "needs_human" and where in task.status_reason, task.status_reason
+    assert not WalEntry.objects.filter(task=task).exists() and not DemoDestination.objects.filter(pk=910_000).exists()

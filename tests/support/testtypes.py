@@ -33,6 +33,8 @@ class ReadBinary(Tool):
 
 class NulResultsParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    nul_in_arguments: bool = False  # the effect's arguments hold a NUL (the call is refused)
+    at_commit: bool = False  # first a db.upsert at commit whose row holds a NUL (the call is refused)
 
 
 @register
@@ -46,7 +48,11 @@ class NulResults(TaskType):
         return [StepSpec("read")]
 
     def run_step(self, ctx, step_id):
-        return {"read": ctx.effect("test.read_binary", {}), "own": "end\x00"}
+        if ctx.params.at_commit:
+            ctx.effect("db.upsert", {"table": "demo_destination", "columns": ["id", "amount"],
+                                     "rows": [[910_000, "1.5\x00"]]}, at_commit=True)
+        args = {"path": "scan\x00.bin"} if ctx.params.nul_in_arguments else {}
+        return {"read": ctx.effect("test.read_binary", args), "own": "end\x00"}
 
 
 # A long-running child process: python -c "<script>" TAG
