@@ -30,8 +30,31 @@ class HoldsNul(Unreadable):
                          f"remove it")
 
 
+def _holds_nul(value) -> bool:
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            if any("\x00" in key for key in item if isinstance(key, str)):
+                return True
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            children = (item,)
+        for child in children:  # strings checked here, containers later: a row of scalars is one loop
+            if isinstance(child, str):
+                if "\x00" in child:
+                    return True
+            elif isinstance(child, (dict, list, tuple)):
+                pending.append(child)
+    return False
+
+
 def nul_at(value, path: str = "") -> str | None:
     """Where (a dotted path, `[i]` for list items) the first string or key holding NUL is; None if none."""
+    if not _holds_nul(value):  # the common case, without building a path per item
+        return None
     pending = [(value, path)]
     while pending:
         item, where = pending.pop()
