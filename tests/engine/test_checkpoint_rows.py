@@ -240,13 +240,25 @@ def test_a_steps_commit_updates_its_row_in_place_on_postgresql():
 
     if connection.vendor != "postgresql":
         pytest.skip("heap-only tuples are PostgreSQL's")
-    task, lease, plan = started_migration(rows=2000)  # 41 steps, their rows written at plan time
-    with connection.cursor() as cursor:
-        updates0, hot0 = _step_table_updates(cursor)
-        commit_done(lease, plan, plan.order[:40])
-        updates1, hot1 = _step_table_updates(cursor)
-    assert updates1 - updates0 >= 40
-    assert hot1 - hot0 >= 0.9 * (updates1 - updates0), (updates1 - updates0, hot1 - hot0)
+    import psycopg
+
+    # The worst case for HOT: another session holds an older snapshot, so no dead version can be
+    # pruned and only the room the fillfactor left takes new ones (a full suite run had such a
+    # session: 29 of 40 HOT). Without it, all of them are. Before migration 0037: none, either way.
+    with psycopg.connect(**connection.get_connection_params()) as other:
+        other.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        other.execute("SELECT count(*) FROM orchestrator_task")
+        for holding in (True, False):
+            if not holding:
+                other.rollback()
+            task, lease, plan = started_migration(rows=2000)  # 41 steps, their rows written at plan time
+            with connection.cursor() as cursor:
+                updates0, hot0 = _step_table_updates(cursor)
+                commit_done(lease, plan, plan.order[:40])
+                updates1, hot1 = _step_table_updates(cursor)
+            assert updates1 - updates0 >= 40
+            least = 0.5 if holding else 0.9
+            assert hot1 - hot0 >= least * (updates1 - updates0), (holding, updates1 - updates0, hot1 - hot0)
 
 
 @pytest.mark.task_types("tests.support.testtypes")
