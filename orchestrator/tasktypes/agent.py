@@ -768,11 +768,11 @@ class _PageStream:
         self.sent_at = time.monotonic()
 
     def add(self, text: str) -> None:
-        self.pending.append(text)
+        self.pending.append(storable.text(text))  # stored as it streams: no NUL (PostgreSQL stores none)
         self._maybe_flush()
 
     def add_reasoning(self, text: str) -> None:
-        self.pending_reasoning.append(text)
+        self.pending_reasoning.append(storable.text(text))
         self._maybe_flush()
 
     def _maybe_flush(self) -> None:

@@ -336,7 +336,8 @@ def test_a_model_that_emits_nul_characters_does_not_stop_the_agent(settings, smt
     the task needed a human. Each NUL of the model's answer is now stored as U+FFFD, on both
     databases, and the model reads the errors it earned."""
     script = [("contracts\x00_list", {"limit": 1}),
-              [("contracts_list", {"lim\x00it": 1}), ("memory_search", {"query": "a\x00b"})]]
+              [("contracts_list", {"lim\x00it": 1}), ("memory_search", {"query": "a\x00b"})],
+              "Done\x00."]
     with AttackerModel(script) as model:
         task = run_attack(model, settings, actor=operator, params={})
         assert drive_inline(task.pk) == "completed", Task.objects.get(pk=task.pk).status_reason
@@ -345,3 +346,5 @@ def test_a_model_that_emits_nul_characters_does_not_stop_the_agent(settings, smt
     assert "lim\ufffdit" in results["call_2_1"] and results["call_2_2"] == '{"facts": []}', results
     stored = json.dumps([m.tool_calls for m in AgentMessage.objects.filter(task=task, role="assistant")])
     assert "\\u0000" not in stored and "contracts\\ufffd_list" in stored
+    final = AgentMessage.objects.filter(task=task, role="assistant").order_by("-turn").first()
+    assert final.content == "Done\ufffd.", final.content  # streamed to the page and kept as it came

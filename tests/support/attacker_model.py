@@ -11,8 +11,8 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 # A call of the script: (tool name, arguments), or a function of the loot read so far giving them;
-# a list of calls is one turn with several tool calls.
-Call = tuple[str, dict] | Callable[[str], tuple[str, dict]] | list
+# a list of calls is one turn with several tool calls; a string is its final answer (the text).
+Call = tuple[str, dict] | Callable[[str], tuple[str, dict]] | list | str
 
 
 class AttackerModel(ThreadingHTTPServer):
@@ -61,7 +61,10 @@ class _Handler(BaseHTTPRequestHandler):
         messages = body.get("messages") or []
         turn = sum(1 for m in messages if m.get("role") == "assistant")
         deltas = []
-        if turn < len(server.script):
+        if turn < len(server.script) and isinstance(server.script[turn], str):  # a final answer of its own
+            deltas.append({"role": "assistant", "content": server.script[turn]})
+            finish = "stop"
+        elif turn < len(server.script):
             steps = server.script[turn]
             calls = []
             for index, step in enumerate(steps if isinstance(steps, list) else [steps]):
