@@ -216,8 +216,10 @@ NUL_BODIES = [  # (path of the request, body, where the message says the NUL is)
     ("/api/tasks", {"type": "demo.migrate_rows", "params": {"rows": 10, "x\x00": 1}}, "in the key 'params.x'"),
     ("/api/tasks/{task}/pause", {"reason": "lunch\x00"}, "in reason"),
     ("/api/tasks/{task}/stop", {"reason": "done\x00"}, "in reason"),
-    ("/api/tasks/{task}/events", {"type": "upstream.ready", "payload": {"resource": ["a", "b\x00"]}},
-     "in payload.resource[1]"),
+    ("/api/tasks/{task}/events", {"type": "upstream.ready", "payload": {"resource": "orders\x00.csv"}},
+     "in payload.resource"),
+    ("/api/tasks/{task}/events", {"type": "upstream.ready", "payload": {"resource": "orders.csv", "x": ["a\x00"]}},
+     "in payload.x[0]"),
 ]
 
 
