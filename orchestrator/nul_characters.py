@@ -13,9 +13,10 @@ import logging
 from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent
 from django.http import HttpResponseBadRequest, JsonResponse, QueryDict
 
+from .primitives.storable import NUL
+
 log = logging.getLogger("orchestrator.requests")
 
-NUL = "\x00"
 MESSAGE = "The request holds the NUL character (%00, U+0000) in {where}, which cannot be stored: remove it."
 
 
@@ -45,10 +46,7 @@ class NulCharacterMiddleware:
             if request.path.startswith("/api/"):
                 return JsonResponse({"detail": message, "errors": []}, status=400)
             return HttpResponseBadRequest(message, content_type="text/plain; charset=utf-8")
-        if "%00" in request.META.get("QUERY_STRING", ""):
-            cleaned = QueryDict(mutable=True)
-            for name, values in request.GET.lists():
-                cleaned.setlist(name.replace(NUL, ""), [value.replace(NUL, "") for value in values])
-            cleaned._mutable = False
-            request.GET = cleaned
+        query = request.META.get("QUERY_STRING", "")
+        if "%00" in query:
+            request.GET = QueryDict(query.replace("%00", ""), encoding=request.encoding)
         return self.get_response(request)

@@ -65,7 +65,7 @@ def nul_at(value, path: str = "") -> str | None:
             for key, child in item.items():
                 inner = f"{where}.{key}" if where else str(key)
                 if "\x00" in key:
-                    return f"the key {inner.replace(chr(0), '')!r}"
+                    return f"the key {inner.replace(chr(0), '')!r}"  # its children are never walked
                 pending.append((child, inner))
         elif isinstance(item, (list, tuple)):
             pending.extend((child, f"{where}[{i}]") for i, child in enumerate(item))
@@ -101,5 +101,5 @@ def loads(text: str | bytes, limit: int = MAX_DEPTH):
     if ("\\u0000" in text) if isinstance(text, str) else (b"\\u0000" in text):
         where = nul_at(value)
         if where is not None:
-            raise HoldsNul(where.replace("\x00", ""))
+            raise HoldsNul(where)
     return value
