@@ -11,6 +11,10 @@ class OrchestratorConfig(AppConfig):
 
         telemetry.configure()  # traces only when OTEL_EXPORTER_OTLP_ENDPOINT or ORCH_OTEL_CONSOLE=1
 
+        from .engine import worker_queues
+
+        worker_queues.install()  # a worker killed while idle no longer leaves its cluster deaf (django-q2 #23)
+
         from . import redaction_sources
 
         redaction_sources.register()  # webhook secrets and API token hashes join the redacted secrets
