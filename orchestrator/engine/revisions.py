@@ -266,6 +266,11 @@ def _check_fresh(task: Task, expected_version: int | None) -> None:
                            f"{task.event_seq}, the preview was made at {expected_version}); review the new preview.")
 
 
+_REWRITTEN_FIELDS = ("position", "title", "depends_on", "declared_reads", "on_failure", "runs_after_skipped", "status",
+                     "result", "error", "reads", "attempts", "failure_fingerprint", "started_at", "finished_at",
+                     "generation")
+
+
 def _rewrite_plan(task: Task, specs, *, keep: set[str]) -> None:
     """Make the Step rows match `specs`: keep the `keep` steps' results, reset every other
     step (new generation: new idempotency keys), drop steps no longer planned."""
@@ -273,20 +278,30 @@ def _rewrite_plan(task: Task, specs, *, keep: set[str]) -> None:
     task.stack = kept_stack(task.stack, {spec.id for spec in specs})
     existing = {s.step_id: s for s in Step.objects.filter(task=task)}
     Step.objects.filter(task=task).exclude(step_id__in=[s.id for s in specs]).delete()
+    # Only the rows an edit changes are written, in batches: an edit of a 10,000-step plan
+    # that resets five steps wrote 10,000 rows one statement each (17 s on PostgreSQL).
+    new, changed = [], []
     for position, spec in enumerate(specs):
         step = existing.get(spec.id)
         if step is None:
-            step_row(task, spec, position).save()
+            new.append(step_row(task, spec, position))
             continue
-        step.position, step.title = position, spec.title or spec.id
-        step.depends_on, step.declared_reads = list(spec.depends_on), list(spec.reads)
-        step.on_failure, step.runs_after_skipped = spec.on_failure, spec.runs_after_skipped
+        planned = {"position": position, "title": spec.title or spec.id, "depends_on": list(spec.depends_on),
+                   "declared_reads": list(spec.reads), "on_failure": spec.on_failure,
+                   "runs_after_skipped": spec.runs_after_skipped}
+        dirty = any(getattr(step, name) != value for name, value in planned.items())
+        for name, value in planned.items():
+            setattr(step, name, value)
         if spec.id not in keep and (step.status != StepStatus.PENDING or step.attempts):
             step.status, step.result, step.error, step.reads = StepStatus.PENDING, None, "", []
             step.attempts, step.failure_fingerprint = 0, ""
             step.started_at = step.finished_at = None
             step.generation += 1
-        step.save()
+            dirty = True
+        if dirty:
+            changed.append(step)
+    Step.objects.bulk_create(new, batch_size=2000)
+    Step.objects.bulk_update(changed, _REWRITTEN_FIELDS, batch_size=500)
     task.steps_total = Step.objects.filter(task=task).count()
     task.steps_done = Step.objects.filter(task=task, status=StepStatus.DONE).count()
     task.checkpoint_version += 1
