@@ -250,3 +250,23 @@ def test_an_edit_on_a_10000_step_task_keeps_the_first_half(settings):
     assert Step.objects.get(task=task, step_id="s04999").result == 4_999
     assert Step.objects.filter(task=task, status="done").count() == 5_010
     assert Snapshot.objects.filter(task=task).count() == settings.ORCH_SNAPSHOT_KEEP
+
+
+def test_an_edit_writes_only_the_step_rows_it_changes():
+    # 1,000 steps, 505 done; the edit of `factor` resets the five done steps of the second half.
+    # Before, every row was saved by its own UPDATE (1,000 statements).
+    task = run(services.task_create(type="test.long", params={"steps": 1_000},
+                                    limits={"max_steps": 505, "max_subtasks": 1}).pk)
+    assert task.status == "paused" and task.steps_done == 505
+    before = {s.step_id: (s.result, s.generation) for s in Step.objects.filter(task=task)}
+    new = services.validate_params(task.type, {**task.params, "factor": 3})
+    with CaptureQueriesContext(connection) as queries:
+        revisions.apply_edit(task_id=task.pk, new_params=new, expected_version=task.event_seq)
+    step_writes = [q["sql"] for q in queries if q["sql"].lstrip().upper().startswith(("UPDATE", "INSERT"))
+                   and "orchestrator_step\"" in q["sql"].split("SET")[0].split("VALUES")[0]]
+    assert len(step_writes) == 1, step_writes  # one batch: the five reset rows
+    after = {s.step_id: (s.result, s.generation, s.status) for s in Step.objects.filter(task=task)}
+    reset = {step_id for step_id, (result, generation, status) in after.items()
+             if (result, generation) != before[step_id]}
+    assert reset == {f"s{i:05d}" for i in range(500, 505)}
+    assert all(after[step_id] == (None, 1, "pending") for step_id in reset)
