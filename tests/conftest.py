@@ -12,6 +12,10 @@ from django.db import connection
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from tests.support import fast_flush  # noqa: E402
+
+fast_flush.install()  # PostgreSQL: the flush after each transactional test empties only what holds rows
+
 
 def wait_for(condition, *, timeout: float = 30.0, interval: float = 0.05, message: str = "condition"):
     """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
