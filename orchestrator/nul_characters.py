@@ -11,6 +11,7 @@ covers the rest of a request, the same on SQLite:
 import logging
 
 from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent
+from django.http.multipartparser import MultiPartParserError
 from django.http import HttpResponseBadRequest, JsonResponse, QueryDict
 
 from .primitives.storable import NUL
@@ -25,9 +26,12 @@ def _form_field_with_nul(request) -> str | None:
                                                                  "multipart/form-data"):
         return None
     try:
+        # The raw body first: parsing the form from the stream would leave a view that reads
+        # the body (a webhook checks its signature over it) a RawPostDataException, a 500.
+        request.body  # noqa: B018 - read for its cache
         fields = request.POST
-    except (RequestDataTooBig, TooManyFieldsSent):
-        return None  # the view's own handling answers these (413, 400)
+    except (RequestDataTooBig, TooManyFieldsSent, MultiPartParserError):
+        return None  # the view's own handling answers these (413, 400; a body it cannot read)
     for name, values in fields.lists():
         if NUL in name or any(NUL in value for value in values):
             return f"the form field {name.replace(NUL, '')!r}"

@@ -5,6 +5,7 @@ This module makes the NinjaAPI instance and mounts the routers, one per resource
 says who is calling, schemas.py and presenters.py what goes in and out, errors.py how
 every failure is answered."""
 from ninja import NinjaAPI
+from ninja.errors import ValidationError
 from ninja.parser import Parser
 
 from ..primitives import jsonlimits
@@ -20,6 +21,16 @@ class BoundedJSONParser(Parser):
 
     def parse_body(self, request):
         return jsonlimits.loads(request.body)
+
+    def parse_querydict(self, data, list_fields, request):
+        """A query parameter of one value given more than once is a 422 naming it (django's
+        QueryDict would take the last one silently: `?limit=5&limit=900` was 900). No
+        parameter of this API takes a list in the query string."""
+        repeated = [key for key in data if key not in list_fields and len(data.getlist(key)) > 1]
+        if repeated:
+            raise ValidationError([{"loc": ("query", key), "msg": f"given {len(data.getlist(key))} times; "
+                                    f"give it once"} for key in repeated])
+        return super().parse_querydict(data, list_fields, request)
 
 
 class OrchestratorAPI(NinjaAPI):

@@ -244,3 +244,13 @@ def test_a_path_with_a_nul_character_is_refused_with_400(client):
     response = client.post("/api/hooks/ware%00house/tasks/1/events", "{}", content_type="application/json")
     assert response.status_code == 400
     assert "NUL character" in response.json()["detail"]
+
+
+@pytest.mark.parametrize("path", ["/api/reviews", "/api/tasks"])
+def test_a_query_parameter_given_more_than_once_is_refused_with_422_naming_it(client, operator, path):
+    # Found by tests/api/test_schemathesis.py: ?limit=false&limit=-3&limit=6207605281318786.0 was
+    # a 200 (the last value taken, the others never read).
+    answer = client.get(f"{path}?limit=false&limit=-3&limit=5", **bearer(operator))
+    assert answer.status_code == 422, answer.content
+    assert answer.json()["errors"] == [{"field": "limit", "message": "given 3 times; give it once"}]
+    assert client.get(f"{path}?limit=5", **bearer(operator)).status_code == 200
