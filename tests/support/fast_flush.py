@@ -1,4 +1,4 @@
-"""The suite's flush between transactional tests on PostgreSQL, faster.
+"""The suite's flush between transactional tests, faster (mostly on PostgreSQL).
 
 Django empties every table after a test that commits (TransactionTestCase's teardown: `flush`)
 with one TRUNCATE of all of them: a new file for each of the ~40 tables, its indexes and its
@@ -9,13 +9,17 @@ DEFERRED, checked at the flush's commit, when the rows that pointed at them are 
 table holding many rows is still truncated (DELETE would leave as many dead rows behind, and
 autovacuum is off on these machines). The result is the same: every table empty, sequences
 as they were (Django's flush does not reset them either unless asked, and then this steps
-aside)."""
+aside). On both databases content types and permissions are kept: they are the same before
+and after every test, and the flush's post_migrate signal only wrote them again."""
 from django.db.backends.postgresql.operations import DatabaseOperations
+# Through the backend's base module: importing sqlite3.operations first is a circular import.
+from django.db.backends.sqlite3.base import DatabaseOperations as SQLiteOperations
 
 DELETE_AT_MOST_ROWS = 500
 KEPT = {"django_content_type", "auth_permission"}
 
 _django_sql_flush = DatabaseOperations.sql_flush
+_django_sqlite_sql_flush = SQLiteOperations.sql_flush
 
 
 def sql_flush(self, style, tables, *, reset_sequences=False, allow_cascade=False):
@@ -35,5 +39,12 @@ def sql_flush(self, style, tables, *, reset_sequences=False, allow_cascade=False
     return ([f"TRUNCATE {', '.join(many)} CASCADE;"] if many else []) + [f"DELETE FROM {name};" for name in few]
 
 
+def sqlite_sql_flush(self, style, tables, *, reset_sequences=False, allow_cascade=False):
+    """SQLite's flush is already a DELETE per table: only content types and permissions are kept."""
+    return _django_sqlite_sql_flush(self, style, [table for table in tables if table not in KEPT],
+                                    reset_sequences=reset_sequences, allow_cascade=allow_cascade)
+
+
 def install() -> None:
     DatabaseOperations.sql_flush = sql_flush
+    SQLiteOperations.sql_flush = sqlite_sql_flush
