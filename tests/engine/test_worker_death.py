@@ -41,12 +41,35 @@ def group_alive(pgid: int) -> list[int]:
     return pids
 
 
+def blocked_in(pid: int) -> tuple[str, str]:
+    """(state, the kernel function it sleeps in: /proc/<pid>/wchan, "0" where the kernel hides it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/wchan") as f:
+            return state, f.read().strip() or "0"
+    except OSError:
+        return "gone", "0"
+
+
+def idle_in_their_reads(pids: list[int]) -> bool:
+    """Every process asleep, and (where the kernel tells) at least two of them in a pipe's read: a
+    worker holding the job queue's read lock, and the monitor in the result queue's."""
+    seen = [blocked_in(pid) for pid in pids]
+    if any(state != "S" for state, _ in seen):
+        return False
+    if all(wchan == "0" for _, wchan in seen):
+        return True  # no wchan on this kernel: asleep is all that can be told
+    return sum("pipe_read" in wchan for _, wchan in seen) >= 2
+
+
 def kill_everything_the_guard_started(cluster) -> None:
     """kill -9 of the guard's children (the workers, idle in the job queue's read, the monitor in
     the result queue's, the pusher), then wait for the guard to start each again."""
     killed = wait_for(lambda: (pids := cluster.worker_pids()) and len(pids) >= 4 and pids, timeout=60,
                       message="the cluster's workers, monitor and pusher")
-    time.sleep(0.5)  # each idle in its queue's read (a fixed wait: no sign tells "blocked in read")
+    wait_for(lambda: idle_in_their_reads(killed), timeout=30,
+             message=f"the workers and monitor asleep in their queues' reads: {[blocked_in(p) for p in killed]}")
     for pid in killed:
         os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not any(alive(p) for p in killed), message="the killed processes to be gone")
