@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import secrets
-import signal
 import socket
 import statistics
 import subprocess
@@ -57,6 +56,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.measure import stop_process_groups, wait_until  # noqa: E402
 from bench.report import Report  # noqa: E402
 
 SECTIONS = ("ours", "dbos", "langgraph", "latency", "scale")  # in the order they run
@@ -396,21 +396,7 @@ class Stack:
                 raise RuntimeError(f"{name} exited with {proc.returncode}; see {self.logs / (name + '.log')}")
 
     def stop(self):
-        for proc in self.procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 15
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+        stop_process_groups(self.procs.values())
 
 
 class Api:
@@ -429,19 +415,6 @@ class Api:
                 return response.status, json.loads(response.read())
         except urllib.error.HTTPError as exc:
             return exc.code, {"error": exc.read().decode(errors="replace")[:300]}
-
-
-def wait_until(condition, timeout: float, interval: float = 0.01, stack: Stack | None = None):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError
-        if stack is not None:
-            stack.check()
-        time.sleep(interval)
 
 
 def section_latency() -> dict:
@@ -495,11 +468,11 @@ def section_latency() -> dict:
             except OSError:
                 return False
 
-        wait_until(web_up, 60, 0.1, stack)
+        wait_until(web_up, 60, 0.1, check=stack.check)
         status, task = api.create(body)  # warm-up: the stack answers and the workers run tasks
         if status != 201:
             raise RuntimeError(f"POST /api/tasks answered {status}: {task}")
-        wait_until(lambda: finished(task["id"]), 120, 0.05, stack)
+        wait_until(lambda: finished(task["id"]), 120, 0.05, check=stack.check)
 
         # 1. One at a time: the API response -> the task's first step running.
         to_claim, to_step, from_post, round_trips = [], [], [], []
@@ -511,12 +484,12 @@ def section_latency() -> dict:
                 raise RuntimeError(f"POST /api/tasks answered {status}: {task}")
             round_trips.append(answered - sent)
             started = wait_until(lambda: Step.objects.filter(task_id=task["id"], position=0, started_at__isnull=False)
-                                 .values_list("started_at", flat=True).first(), 60, 0.005, stack)
+                                 .values_list("started_at", flat=True).first(), 60, 0.005, check=stack.check)
             claimed = Task.objects.filter(pk=task["id"]).values_list("started_at", flat=True).first()
             to_step.append(started.timestamp() - answered)
             from_post.append(started.timestamp() - sent)
             to_claim.append(claimed.timestamp() - answered)
-            wait_until(lambda: finished(task["id"]), 60, 0.02, stack)
+            wait_until(lambda: finished(task["id"]), 60, 0.02, check=stack.check)
         print(f"  {n_latency} tasks created one at a time (bench.chain, {body['params']['steps']} steps), "
               "each finished before the next:")
         print(f"    POST /api/tasks round trip         p50 {1000 * pct(round_trips, 50):7.1f} ms   "
@@ -557,7 +530,7 @@ def section_latency() -> dict:
             return not Task.objects.filter(pk__in=ids).exclude(status__in=TERMINAL).exists()
 
         try:
-            wait_until(all_done, timeout, 0.5, stack)
+            wait_until(all_done, timeout, 0.5, check=stack.check)
         except TimeoutError:
             errors.append(f"not finished after {timeout:.0f} s: "
                           f"{Task.objects.filter(pk__in=ids).exclude(status__in=TERMINAL).count()} tasks")

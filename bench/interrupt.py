@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.pop("REDIS_URL", None)
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "15"))
 from bench._django import database_label, setup  # noqa: E402
+from bench.measure import wait_until  # noqa: E402
 
 setup("interrupt-bench")
 
@@ -28,19 +29,11 @@ from orchestrator.engine import processes, services  # noqa: E402
 from orchestrator.models import Task, WalEntry  # noqa: E402
 
 
-def wait(condition, timeout=30.0, interval=0.002):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError
-        time.sleep(interval)
-
-
 def running_stage() -> Task:
     task = services.task_create(type="demo.pipeline", params={"stages": 1, "seconds_per_stage": 120})
-    wait(lambda: WalEntry.objects.filter(task=task).exists(), interval=0.01)
+    wait_until(lambda: WalEntry.objects.filter(task=task).exists(), 30, 0.01)
     task = Task.objects.get(pk=task.pk)
-    wait(lambda: processes.descendants(task.worker_pid), interval=0.01)  # the stage subprocess runs
+    wait_until(lambda: processes.descendants(task.worker_pid), 30, 0.01)  # the stage subprocess runs
     return task
 
 
@@ -57,19 +50,20 @@ def main():
         for _ in range(ROUNDS):
             task = running_stage()
             services.task_stop(task_id=task.pk)
-            wait(lambda: Task.objects.filter(pk=task.pk, control_acknowledged_at__isnull=False).exists())
+            wait_until(lambda: Task.objects.filter(pk=task.pk, control_acknowledged_at__isnull=False).exists(),
+                       30, 0.002)
             task = Task.objects.get(pk=task.pk)
             acks.append((task.control_acknowledged_at - task.control_requested_at).total_seconds() * 1000)
-            wait(lambda: Task.objects.get(pk=task.pk).status == "stopped")
+            wait_until(lambda: Task.objects.get(pk=task.pk).status == "stopped", 30, 0.002)
         kills = []
         for _ in range(ROUNDS):
             task = running_stage()
             tree = [task.worker_pid, *processes.descendants(task.worker_pid)]
             started = time.monotonic()
             services.task_terminate(task_id=task.pk, reason="bench")
-            wait(lambda: not any(processes.alive(pid) for pid in tree), interval=0.001)
+            wait_until(lambda: not any(processes.alive(pid) for pid in tree), 30, 0.001)
             kills.append((time.monotonic() - started) * 1000)
-            wait(lambda: Task.objects.get(pk=task.pk).status == "terminated")
+            wait_until(lambda: Task.objects.get(pk=task.pk).status == "terminated", 30, 0.002)
         print(f"database: {database_label()}; {ROUNDS} rounds each, demo.pipeline stage running in a subprocess")
         print(f"Stop -> runner acknowledges:            p50 {pct(acks, 50):6.1f} ms  p95 {pct(acks, 95):6.1f} ms"
               "   (target <= 100 / <= 250 ms)")

@@ -1,5 +1,5 @@
 """Measurement helpers the benchmark scripts share (bench/steps.py, bench/compare.py,
-bench/hosts.py, bench/recovery.py).
+bench/hosts.py, bench/recovery.py, bench/interrupt.py, bench/memory.py).
 
 - `DjangoCounters`: commits (`BaseDatabaseWrapper.commit`) and SQL statements of every Django
   connection in every thread of this process (the runner, step threads, the heartbeat).
@@ -10,6 +10,8 @@ bench/hosts.py, bench/recovery.py).
 - `rss_kib`: this process's resident set size.
 - `pct`: a percentile of a list of timings; `host_of`: which of the worker hosts a benchmark
   started (bench/hosts.py, bench/recovery.py) a process belongs to.
+- `wait_until`: poll a condition until it holds (TimeoutError after `timeout`);
+  `stop_process_groups`: SIGTERM to the process groups a benchmark started, SIGKILL past a grace.
 
 Nothing here asserts: the scripts print figures.
 """
@@ -122,6 +124,46 @@ def pct(values, q: int) -> float:
     import statistics
 
     return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+
+
+def wait_until(condition, timeout: float, interval: float = 0.01, check=None):
+    """`condition()`'s first truthy value, polled every `interval` seconds; TimeoutError after
+    `timeout`. `check()` runs between polls (it raises when a process the wait depends on died)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        if check is not None:
+            check()
+        time.sleep(interval)
+
+
+def stop_process_groups(procs, grace: float = 15.0) -> None:
+    """SIGTERM to each Popen's process group (each started with start_new_session=True), then
+    SIGKILL to the groups whose leader has not exited within `grace` seconds."""
+    import os
+    import signal
+    import subprocess
+
+    procs = list(procs)
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
 
 
 def host_of(pid: int, hosts: list):

@@ -49,6 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.measure import stop_process_groups  # noqa: E402
 
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/bench_memory"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/6"
@@ -151,21 +152,7 @@ class Programs:
                 raise RuntimeError(f"{name} exited with {proc.returncode}; see {self.logs / (name + '.log')}")
 
     def stop(self):
-        for proc in self.procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 15
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+        stop_process_groups(self.procs.values())
         self.procs = {}
 
     # tracemalloc (BENCH_TRACEMALLOC=1)

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.pop("REDIS_URL", None)
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "8"))
 from bench._django import database_label, setup  # noqa: E402
-from bench.measure import host_of, pct  # noqa: E402
+from bench.measure import host_of, pct, wait_until  # noqa: E402
 
 setup("recovery-bench", ORCH_HEARTBEAT_SECONDS="1", ORCH_STALE_AFTER_SECONDS="3", ORCH_MAX_RECOVERY_ATTEMPTS="1000")
 
@@ -32,17 +32,6 @@ def spawn(*args) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(ROOT / "manage.py"), *args], cwd=ROOT,
                             env={**os.environ, "ORCH_WORKERS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def wait(condition, timeout=60.0, interval=0.005):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError
-        time.sleep(interval)
 
 
 def running(task_id: int, after_epoch: int):
@@ -64,12 +53,12 @@ def main():
     task = services.task_create(type="demo.pipeline", params={"stages": 100, "seconds_per_stage": 60})
     executor_kills, host_kills = [], []
     try:
-        current = wait(lambda: running(task.pk, 0))
+        current = wait_until(lambda: running(task.pk, 0), 60, 0.005)
         for _ in range(ROUNDS):
             running.old = current.worker_pid
             killed_at = time.monotonic()
             os.kill(current.worker_pid, signal.SIGKILL)
-            current = wait(lambda: running(task.pk, current.lease_epoch))
+            current = wait_until(lambda: running(task.pk, current.lease_epoch), 60, 0.005)
             executor_kills.append(time.monotonic() - killed_at)
         for _ in range(ROUNDS):
             running.old = current.worker_pid
@@ -77,7 +66,7 @@ def main():
             killed_at = time.monotonic()
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait()
-            current = wait(lambda: running(task.pk, current.lease_epoch))
+            current = wait_until(lambda: running(task.pk, current.lease_epoch), 60, 0.005)
             host_kills.append(time.monotonic() - killed_at)
             clusters = [c for c in clusters if c is not victim] + [spawn("qcluster")]  # the host comes back
             time.sleep(2)  # let the new cluster start before the next crash
