@@ -167,14 +167,23 @@ IS_SQLITE = _db["ENGINE"] == "django.db.backends.sqlite3"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Channels / Redis -----------------------------------------------------------------
+# A socket's read of the channel layer waits up to channels_redis's BZPOPMIN timeout (5 s) for a
+# message; redis-py 8 gives every read a 5 s socket timeout by default, so an idle page's
+# consumer raised TimeoutError about every 5 s, its socket was closed and the page reconnected
+# (channels_redis issue #422; seen as a page left "queued" under load). The read's own timeout
+# is set above the pop's: a Redis that stops answering is still noticed, 5 s later.
+CHANNEL_LAYER_SOCKET_TIMEOUT_SECONDS = 10
+
+
+def redis_channel_layer(url: str) -> dict:
+    return {"BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [{"address": url, "socket_timeout": CHANNEL_LAYER_SOCKET_TIMEOUT_SECONDS}],
+                       "capacity": 1000}}
+
+
 REDIS_URL = os.environ.get("REDIS_URL", "")
 if REDIS_URL:
-    CHANNEL_LAYERS = {
-        "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000},
-        }
-    }
+    CHANNEL_LAYERS = {"default": redis_channel_layer(REDIS_URL)}
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 

@@ -14,6 +14,7 @@ from orchestrator import live
 from orchestrator.asgi import application
 from orchestrator.engine import services
 from orchestrator.engine.events import TASK_LIST_GROUP, task_group
+from orchestrator.settings import redis_channel_layer
 from tests.live.test_websockets import connect, session_headers
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -21,9 +22,22 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def redis_layer(private_redis, settings):
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
-                                           "CONFIG": {"hosts": [private_redis.url], "capacity": 1000}}}
+    settings.CHANNEL_LAYERS = {"default": redis_channel_layer(private_redis.url)}  # production's
     yield private_redis
+
+
+async def test_an_idle_channel_waits_past_the_pop_timeout_without_an_error(redis_layer, viewer):
+    """channels_redis waits for a message with BZPOPMIN for 5 s; redis-py 8's default socket
+    timeout (5 s) aborted that read first, so every idle page's consumer raised TimeoutError and
+    its socket was closed about every 5 s (channels_redis issue #422). With production's layer
+    (settings.redis_channel_layer) a socket idle for 7 s is still open and still gets its
+    page's news."""
+    ws, _ = await opened("/ws/tasks/", await database_sync_to_async(session_headers)(viewer))
+    assert await ws.receive_nothing(timeout=7, interval=0.5)  # no close frame after 7 idle seconds
+    task = await database_sync_to_async(services.task_create)(type="demo.pipeline", params={"stages": 1})
+    news = await ws.receive_json_from(timeout=10)
+    assert str(task.pk) in str(news), news
+    await ws.disconnect()
 
 
 async def opened(path: str, headers) -> tuple[WebsocketCommunicator, str]:
