@@ -168,9 +168,19 @@ class Watchdog:
                     states.transition(task, S.TERMINATED, reason=reason, action=f"task.{control}",
                                       lease_owner="", control="", activities=[])
         except LeaseLost:
-            return LEASE_LOST
+            # The run's own supervisor saw the request too and committed its end between this
+            # poll's read and this lock (releasing the lease, which is why the fence failed): the
+            # task ended by this lease's run, not lost to another worker; say how it ended.
+            return self.ended_by_its_own_run() or LEASE_LOST
         log.info("task terminated", extra=self.extra)
         return S.TERMINATED
+
+    def ended_by_its_own_run(self) -> str:
+        """The task's end status if this lease's run wrote it (the lease released at the same
+        epoch: a claim by anyone else, or an operator's direct settle, moves the epoch)."""
+        status = (Task.objects.filter(pk=self.lease.task_id, lease_epoch=self.lease.epoch, lease_owner="")
+                  .values_list("status", flat=True).first())
+        return status if status in states.TERMINAL else ""
 
     def hand_back(self) -> str:
         self.kill_all()

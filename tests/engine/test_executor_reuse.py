@@ -166,3 +166,36 @@ def test_an_executor_killed_mid_step_is_replaced_for_the_next_run():
     executor, outcomes, after = stubborn_then_another(lambda _, executor: os.kill(executor, signal.SIGKILL))
     assert outcomes == ["executor died", "executor finished"]
     assert ran_on(after)["pid"] != executor
+
+
+class _KilledExecutor:
+    pid = 0
+
+    def killed(self) -> None:
+        pass
+
+
+def test_a_terminate_whose_run_ended_itself_between_the_watchdogs_read_and_lock_is_terminated_not_lease_lost(monkeypatch):
+    """The race behind a CI failure of the test above: the watchdog's poll read `control =
+    terminate`, then the run's own supervisor committed `terminated` (releasing the lease), then
+    the watchdog's fenced lock failed. The task ended as asked, by this lease's own run."""
+    from django.db import transaction
+    from orchestrator.engine import executor as executor_module, states
+    from orchestrator.engine.lease import claim
+    from orchestrator.models import TaskStatus
+
+    monkeypatch.setattr(executor_module.processes, "kill_tree", lambda *args, **kwargs: [])
+    task = session_task()
+    lease = claim(task.pk)
+    Task.objects.filter(pk=task.pk).update(status=TaskStatus.RUNNING)  # as the run's start writes
+    services.task_terminate(task_id=task.pk, reason="the test ends it")
+    with transaction.atomic():  # what the run's own finish writes on a Force-terminate
+        states.transition(states.lock_task(task.pk), TaskStatus.TERMINATED, reason="force-terminated by an operator",
+                          lease_owner="", control="", activities=[])
+    assert executor_module.Watchdog(lease, _KilledExecutor()).terminate("force-terminated by an operator",
+                                                                      "terminate") == TaskStatus.TERMINATED
+    # A lease another worker holds now is lost, whatever the task's status.
+    other = session_task()
+    stale = claim(other.pk)
+    Task.objects.filter(pk=other.pk).update(lease_epoch=stale.epoch + 1)
+    assert executor_module.Watchdog(stale, _KilledExecutor()).terminate("x", "terminate") == "lease lost"
