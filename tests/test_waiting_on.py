@@ -223,6 +223,40 @@ def test_a_queued_task_says_its_place_in_the_queue_and_how_long_it_has_waited():
     assert found.since == second.enqueued_at
 
 
+def test_places_are_counted_over_the_queues_head_only(monkeypatch):
+    """Only the first QUEUE_COUNTED tasks of the queue are ranked (every POST /api/tasks answers
+    with its place): a task further back is behind "more than" that many, and the head's say
+    "of over"."""
+    from orchestrator.presenters import waiting
+
+    monkeypatch.setattr(waiting, "QUEUE_COUNTED", 3)
+    now = timezone.now()
+    queued = [new_task(enqueued_at=now - timedelta(seconds=s)) for s in (50, 40, 30, 20, 10)]
+    Task.objects.exclude(pk__in=[t.pk for t in queued]).filter(status="queued").update(status="paused")
+    second, fourth, fifth = with_waiting_on([Task.objects.get(pk=queued[i].pk) for i in (1, 3, 4)], now)
+    assert second.waiting_on.text == "waiting 40 s for a worker, 2nd of over 3 in the queue"
+    assert fourth.waiting_on.text == "waiting 20 s for a worker, behind more than 3 tasks in the queue"
+    assert fifth.waiting_on.text == "waiting 10 s for a worker, behind more than 3 tasks in the queue"
+    Task.objects.filter(pk__in=[queued[0].pk, queued[1].pk]).update(status="paused")  # three left: all counted
+    third = with_waiting_on([Task.objects.get(pk=queued[4].pk)], now)[0]
+    assert third.waiting_on.text == "waiting 10 s for a worker, 3rd of 3 in the queue"
+
+
+def test_the_queues_head_is_read_in_order_from_an_index_without_sorting_the_queue():
+    """The head's read takes its order from the partial index task_unclaimed_queue: no sort of
+    every task waiting (the cost that grew with the queue)."""
+    from orchestrator.presenters.waiting import queue_head_sql
+
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite's indexes keep NULLs first, the queue's order last: it sorts the (small) queue")
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # a tiny test table would be read whole
+        cursor.execute("EXPLAIN " + queue_head_sql())
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "task_unclaimed_queue" in plan and "Limit" in plan, plan
+    assert "Sort" not in plan, plan
+
+
 def test_an_operator_pause_names_who_when_and_why(operator):
     task = new_task()
     services.task_pause(task_id=task.pk, actor=operator, reason="checking the mailbox first")

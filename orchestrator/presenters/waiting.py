@@ -40,6 +40,8 @@ TARGET_ARGUMENTS = ("to", "recipients", "recipient", "url", "path", "command", "
 DEPENDENCY_EVENTS = {"upstream.ready": ("resource", "the upstream data set")}
 LIMIT_WORDS = {"max_steps": "step limit", "max_tokens": "token limit", "max_seconds": "time limit",
                "max_subtasks": "subtask limit"}
+# How far into the queue places are counted: a task further back is "behind more than 1,000".
+QUEUE_COUNTED = 1000
 # Stalled: engine/stalls.py decides (ORCH_STALL_FACTOR × the p95 of the type's step durations).
 
 
@@ -96,6 +98,13 @@ def _unclaimed(task: Task) -> bool:
 _running = stalls.running
 
 
+def queue_head_sql() -> str:
+    """The queue's first QUEUE_COUNTED + 1 tasks waiting for a worker, in hand-over order."""
+    return (f"SELECT id, enqueued_at FROM {Task._meta.db_table} "
+            f"WHERE status IN ('{S.QUEUED}', '{S.RUNNING}') AND lease_owner = '' "
+            f"ORDER BY enqueued_at ASC NULLS LAST, id ASC LIMIT {QUEUE_COUNTED + 1:d}")
+
+
 class Facts:
     """What the reasons need beyond the task rows, read once for a batch of tasks."""
 
@@ -114,24 +123,27 @@ class Facts:
                                                     interrupted=True, accounted=False)
                         .only("id", "task_id", "step_id", "completion_tokens", "created_at").order_by("id")):
                 self.attempts[row.task_id] = row  # the newest per task
-        # Each unclaimed task's place in the queue and the queue's length, counted by the database:
-        # reading the whole queue here cost every POST /api/tasks a read of every task waiting.
-        self.queue_length = 0
+        # Each unclaimed task's place in the queue and the queue's length, counted by the database
+        # over the queue's head only (its first QUEUE_COUNTED tasks, read in order from the partial
+        # index task_unclaimed_queue): ranking the whole queue cost every POST /api/tasks a read of
+        # every task waiting (11.6 ms of PostgreSQL with 5,000 queued, growing with the queue).
+        self.queue_length = 0  # QUEUE_COUNTED + 1 means "more than QUEUE_COUNTED"
         self.positions: dict[int, int] = {}
         unclaimed = ids(_unclaimed)
         if unclaimed:
             # Written as SQL (every POST /api/tasks answers with it; the ORM's window query cost
-            # more to build than the database's work). The window runs over the whole queue;
-            # only then are this batch's rows picked.
+            # more to build than the database's work). Its WHERE and ORDER BY are the index's, as
+            # literals: a partial index serves only a query whose WHERE is known to imply its own.
             marks = ", ".join(["%s"] * len(unclaimed))
             with connection.cursor() as cursor:
                 cursor.execute(f"SELECT queued_task, position, length FROM ("
                                f"SELECT id AS queued_task, ROW_NUMBER() OVER (ORDER BY enqueued_at ASC NULLS LAST, "
-                               f"id ASC) AS position, COUNT(id) OVER () AS length FROM {Task._meta.db_table} "
-                               f"WHERE status IN (%s, %s) AND lease_owner = '') ranked "
-                               f"WHERE ranked.queued_task IN ({marks})", [S.QUEUED, S.RUNNING, *unclaimed])
+                               f"id ASC) AS position, COUNT(id) OVER () AS length FROM ({queue_head_sql()}) head) "
+                               f"ranked WHERE ranked.queued_task IN ({marks}) OR ranked.position = 1", unclaimed)
                 for pk, position, length in cursor.fetchall():
-                    self.positions[pk], self.queue_length = position, length
+                    self.queue_length = length
+                    if pk in unclaimed and position <= QUEUE_COUNTED:
+                        self.positions[pk] = position
         paused = ids(lambda t: t.status == S.PAUSED and not t.paused_by_limit)
         self.pauses: dict[int, AuditEntry] = {}
         if paused:
@@ -281,7 +293,13 @@ def _paused(task: Task, now: datetime, facts: Facts) -> WaitingOn:
 def _queued(task: Task, now: datetime, facts: Facts) -> WaitingOn:
     since = task.enqueued_at or task.created_at
     position = facts.positions.get(task.pk)
-    where = f"{ordinal(position)} of {facts.queue_length} in the queue" if position else "in the queue"
+    more = facts.queue_length > QUEUE_COUNTED
+    if position:
+        where = f"{ordinal(position)} of {f'over {QUEUE_COUNTED:,}' if more else facts.queue_length} in the queue"
+    elif more:
+        where = f"behind more than {QUEUE_COUNTED:,} tasks in the queue"
+    else:
+        where = "in the queue"
     if task.status == S.RUNNING and task.recovering_since:
         return WaitingOn("recovery", f"being recovered since {clock(task.recovering_since, now)} (its worker "
                                      f"stopped): waiting for a worker to take it over, {where}",
